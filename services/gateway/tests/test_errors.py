@@ -10,6 +10,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 
+from tandem.client.grpc_failures import GrpcsOwnWarnings
 from tandem.gateway import errors
 from tandem.gateway.body_limits import BodyLimits
 from tandem.gateway.chat_request import chat_request
@@ -415,7 +416,7 @@ RETRY = {"Retry-After": "1"}
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test's failures are logged as if none came before (they are logged once per interval)."""
-    monkeypatch.setattr(errors, "_grpcs_own_warnings", errors._GrpcsOwnWarnings())
+    monkeypatch.setattr(errors, "_grpcs_own_warnings", GrpcsOwnWarnings(errors.log))
 
 
 @pytest.mark.parametrize(("code", "said"), GRPCS_OWN)
@@ -469,11 +470,12 @@ async def test_embeddings_with_no_encoder_listening_name_the_encoder_not_its_add
     assert body["error"]["message"] == UNREACHABLE[grpc.StatusCode.UNAVAILABLE].format(service="encoder")
 
 
-def test_grpcs_own_failures_are_logged_once_per_interval_for_each_service_and_code(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+def test_grpcs_own_failures_of_one_service_are_logged_once_per_interval_for_each_service_and_code(
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A stopped decoder fails every call: each was a WARNING line of its own, the same words. Now one
-    per WARN_EVERY_S for each service and code, the next saying how many went unlogged."""
+    per interval for each service and code (`grpc_failures.GrpcsOwnWarnings`, whose own tests say
+    the interval)."""
     down, said = GRPCS_OWN[0]
     error = grpc.aio.AioRpcError(down, grpc.aio.Metadata(), grpc.aio.Metadata(), details=said)
     late = grpc.aio.AioRpcError(
@@ -487,8 +489,8 @@ def test_grpcs_own_failures_are_logged_once_per_interval_for_each_service_and_co
             from_grpc(error)
         from_grpc(error, service="encoder")  # another service: its own line
         from_grpc(late)  # another code: its own line
-        assert len(caplog.records) == 3
-        monkeypatch.setattr(errors, "WARN_EVERY_S", 0.0)  # the interval passed
-        from_grpc(error)
-    assert len(caplog.records) == 4
-    assert caplog.records[-1].getMessage().endswith(f"{said} (4 more since the last such line)")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"a call to the decoder failed: UNAVAILABLE: {said}",
+        f"a call to the encoder failed: UNAVAILABLE: {said}",
+        "a call to the decoder failed: DEADLINE_EXCEEDED: Deadline Exceeded",
+    ]

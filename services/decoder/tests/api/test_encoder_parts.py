@@ -824,6 +824,32 @@ async def test_an_encoder_gRPC_cannot_reach_is_said_in_fixed_words_and_gRPCs_are
     assert f"an Embed call to encoder {address} failed: UNAVAILABLE: " in caplog.text
 
 
+async def test_a_request_of_five_parts_with_no_encoder_listening_logs_one_warning_line(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`_error` runs once for each part waiting on a failed call: a stopped encoder wrote one identical
+    WARNING line per part, N for a request of N parts. gRPC's own failures are logged once in a while
+    for each encoder and code, as the gateway logs them."""
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    parts = EncoderParts(
+        address, torch.float32, 1 << 20, cache_bytes=0, shm_dir=tmp_path, hidden_size=HIDDEN_SIZE
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger=encoder_parts.__name__):
+            five, _ = _start(parts, [EncoderPrompt("image", f"p{i}".encode()) for i in range(5)])
+            for part in five:
+                with pytest.raises(Unavailable, match="could not be reached"):
+                    await asyncio.wait_for(asyncio.wrap_future(part.rows), 30)
+    finally:
+        await parts.close()
+    assert len(five) == 5
+    assert [r.getMessage().split(": UNAVAILABLE: ")[0] for r in caplog.records] == [
+        f"an Embed call to encoder {address} failed"
+    ]
+
+
 async def test_an_encoders_own_unavailable_keeps_its_words(encoder: StandIn, parts: EncoderParts) -> None:
     """An UNAVAILABLE the encoder sent (its status with it: still loading, shutting down) is its own
     word on why, passed on as it said it."""

@@ -10,13 +10,13 @@ import enum
 import logging
 import math
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 
 from tandem.client.errors import InvalidArgument
+from tandem.client.grpc_failures import GrpcsOwnWarnings, is_grpcs_own
 from tandem.client.over_cap import OverCap, over_cap
 from tandem.client.status_details import status_details
 from tandem.gateway.log_text import printable
@@ -44,10 +44,6 @@ LOCAL_CANCEL = "Locally cancelled by application!"
 # or 503 says the 1 s it says without one, as the decoder bounds an encoder's. It was passed on as it
 # came: an encoder's 2**63 - 1 s made `Retry-After: 9223372036854775808`.
 MAX_RETRY_AFTER_S = 60.0
-# The trailer a service's own status travels in (`tandem.client.status`, google.rpc.Status): every
-# refusal of a Tandem service's carries it, gRPC's own failures of a call (no connection, a connection
-# lost, a deadline passed) do not.
-STATUS_DETAILS_KEY = "grpc-status-details-bin"
 # gRPC's own failures said to the HTTP caller, naming the service; what gRPC said is logged (WARNING).
 # Passed on, they quoted gRPC's internals: "failed to connect to all addresses; last error: UNKNOWN:
 # ipv4:10.0.0.7:50052: connection attempt timed out before receiving SETTINGS frame" named the
@@ -57,32 +53,9 @@ UNREACHABLE = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "the {service} did not answer in time; retry",
 }
 
-# gRPC's own failures are logged at most once in this many seconds for each service and code, the line
-# saying how many went unlogged since: a stopped decoder fails every call, and each was a WARNING line
-# of its own (a completion a second behind a stopped decoder: a line a second, the same words each).
-WARN_EVERY_S = 10.0
-
-
-class _GrpcsOwnWarnings:
-    """When each (service, code) of gRPC's own failures was last logged, and those not logged since."""
-
-    def __init__(self) -> None:
-        self._last: dict[tuple[str, grpc.StatusCode], tuple[float, int]] = {}
-
-    def warn(self, service: str, code: grpc.StatusCode, details: str) -> None:
-        now = time.monotonic()
-        last = self._last.get((service, code))
-        if last is not None and now - last[0] < WARN_EVERY_S:
-            self._last[service, code] = (last[0], last[1] + 1)
-            return
-        self._last[service, code] = (now, 0)
-        more = f" ({last[1]} more since the last such line)" if last is not None and last[1] else ""
-        log.warning("a call to the %s failed: %s: %s%s", service, code.name, printable(details), more)
-
-
 # Module-wide, as `log` is: `from_grpc` is called on every path that answers a failed call, with no
 # object of the gateway's at hand to hold it.
-_grpcs_own_warnings = _GrpcsOwnWarnings()
+_grpcs_own_warnings = GrpcsOwnWarnings(log)
 
 
 @dataclass(frozen=True)
@@ -196,7 +169,10 @@ def from_grpc(
     UNAVAILABLE or DEADLINE_EXCEEDED (`is_grpcs_own`) is said in the gateway's words, naming `service`."""
     status, kind = STATUSES.get(error.code(), (500, "server_error"))
     if is_grpcs_own(error):
-        _grpcs_own_warnings.warn(service, error.code(), error.details() or "")
+        said = printable(error.details() or "")
+        _grpcs_own_warnings.warn(
+            service, error.code(), f"a call to the {service} failed: {error.code().name}: {said}"
+        )
         message = UNREACHABLE[error.code()].format(service=service)
         return HttpError(status, kind, message, retry_after_s=1.0 if status == 503 else None)
     details = status_details(error)
@@ -234,15 +210,6 @@ def from_grpc(
         param, code, message = "model", "model_not_found", _renamed(message, "adapter ", "model ")
         kind = "invalid_request_error"
     return HttpError(status, kind, body_field(message, names), param, retry_after, code)
-
-
-def is_grpcs_own(error: grpc.aio.AioRpcError) -> bool:
-    """Whether `error` is gRPC's own UNAVAILABLE or DEADLINE_EXCEEDED (no connection, a connection
-    lost, a deadline passed), not a service's status: those carry google.rpc details (STATUS_DETAILS_KEY),
-    the decoder's "loading" and its encoder-named refusals too."""
-    if error.code() not in UNREACHABLE:
-        return False
-    return not any(key == STATUS_DETAILS_KEY for key, _ in error.trailing_metadata() or ())
 
 
 def _cancelled_by_service(message: str) -> str:

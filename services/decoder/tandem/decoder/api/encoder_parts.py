@@ -100,6 +100,7 @@ from tandem.client.errors import (
     TandemError,
     Unavailable,
 )
+from tandem.client.grpc_failures import GrpcsOwnWarnings, is_grpcs_own
 from tandem.client.over_cap import over_cap
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
 from tandem.client.status_details import status_details
@@ -125,7 +126,6 @@ MAX_FETCHES_PER_CALL = 16  # of one Generate call's parts, fetching at once (see
 READ_ON_A_THREAD_BYTES = 1024 * 1024  # rows sent as bytes this large are checked off the event loop
 ENCODER_FULL_RETRY_S = 1.0  # an encoder's RESOURCE_EXHAUSTED with no RetryInfo of its own, passed on
 ENCODER_MAX_RETRY_S = 60.0  # an encoder's delay past this (or not above 0) is passed on as the 1 s
-STATUS_DETAILS_KEY = "grpc-status-details-bin"  # the trailer of a service's google.rpc status
 FORWARDED_METADATA = ("authorization",)  # the caller's token: the encoder's per-token bounds see it
 # Embedders that tokenize with the checkpoint's own tokenizer, the decoder's: a part's unpooled rows are
 # one per position its input takes in the prompt (a soft prompt's virtual rows more). A projector
@@ -208,6 +208,9 @@ class EncoderParts:
         self.num_shared = 0  # replies read from shared memory
         self.num_bytes = 0  # replies that carried their rows as bytes
         self.num_refetched = 0  # fetched again by value: their segment was lost before it was read
+        # gRPC's own failures of Embed calls, logged once in a while for each encoder and code: `_error`
+        # runs once for each part waiting on a failed call, so a stopped encoder wrote one line per part.
+        self._grpcs_own_warnings = GrpcsOwnWarnings(log)
 
     async def close(self) -> None:
         if self.probe is not None:
@@ -662,7 +665,9 @@ class EncoderParts:
                 info=passed_on(said.info),
             )
         if code == grpc.StatusCode.UNAVAILABLE and _is_grpcs_own(error):
-            log.warning("an Embed call to encoder %s failed: UNAVAILABLE: %s", who, details)
+            self._grpcs_own_warnings.warn(
+                who, code, f"an Embed call to encoder {who} failed: UNAVAILABLE: {details}"
+            )
             return Unavailable(f"{field}: encoder {who} could not be reached (no connection, or it was lost)")
         return Unavailable(f"{field}: encoder {who} is unavailable ({code.name}: {details})")
 
@@ -716,12 +721,9 @@ def _unavailable(details: str, replica: str | None) -> grpc.aio.AioRpcError:
 
 def _is_grpcs_own(error: grpc.aio.AioRpcError) -> bool:
     """Whether `error` is gRPC's own failure of the call (no connection, one lost), not the encoder's
-    status: every status a Tandem service sends carries google.rpc details (STATUS_DETAILS_KEY), the
-    encoder's "still loading" too. The gateway's `errors.is_grpcs_own` is the same check; the shared
-    place, tandem.client, was not this change's to edit, and the decoder imports nothing of the gateway."""
-    if isinstance(error, _FaultyReply):
-        return False
-    return not any(key == STATUS_DETAILS_KEY for key, _ in error.trailing_metadata() or ())
+    status (`grpc_failures.is_grpcs_own`), nor this decoder's own word on a faulty reply: a _FaultyReply
+    carries no google.rpc details either, and keeps its words."""
+    return not isinstance(error, _FaultyReply) and is_grpcs_own(error)
 
 
 def _ran_out(error: BaseException) -> bool:
