@@ -9,11 +9,11 @@ back here.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.client.errors import ConfigError, InvalidArgument
+from tandem.common.cpus import available_cpus
 from tandem.common.dtypes import COMPUTE_NAMES
 from tandem.common.model_name import check_adapter_name, check_served_name
 from tandem.common.server import DEFAULT_MAX_CONCURRENT_RPCS, ServerOptions
@@ -89,9 +89,7 @@ def max_num_threads() -> int:
     listened; 2**31 failed torch.set_num_threads in the engine thread's initializer (a traceback, exit
     1). The mask, not os.cpu_count(): under `taskset -c 0` on a 2-CPU host the host's count let 2
     threads take turns on one CPU. Not a fixed cap, so that a flag valid here may use every CPU here."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    return available_cpus()
 
 
 @dataclass(frozen=True)

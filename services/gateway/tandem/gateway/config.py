@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 from tandem.client.channel import PLAINTEXT, ChannelSecurity, channel_target
 from tandem.client.errors import ConfigError
+from tandem.common.cpus import available_cpus
 from tandem.common.memory_limit import MemoryLimit, memory_limit
 from tandem.common.server import DEFAULT_GRACE_S
 from tandem.gateway.replicas import name_of
@@ -248,11 +248,3 @@ def _said(limit: MemoryLimit) -> str:
     if limit.cgroup_file is None:
         return f"this host's {limit.num_bytes} bytes of memory"
     return f"the {limit.num_bytes} bytes this process may take (its cgroup's limit, {limit.cgroup_file})"
-
-
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity: a container's cpuset), else all of the host's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
