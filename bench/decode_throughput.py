@@ -44,7 +44,7 @@ from tandem.decoder.engine.admission.prompt import EmbeddingPrompt, GenerateSpec
 from tandem.decoder.engine.front.engine import Engine  # noqa: E402
 from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished, OutputOptions  # noqa: E402
 from tandem.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
-from tandem.decoder.engine.step.sizing import DEFAULT_TOKEN_BUDGET  # noqa: E402
+from tandem.decoder.engine.step.sizing import max_token_budget  # noqa: E402
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "tandem" / "models" / "bench-small"
 BLOCK_SIZE = 16
@@ -135,14 +135,13 @@ def num_kv_blocks(args: argparse.Namespace, max_requests: int) -> int:
 def token_budget(requested: int, max_requests: int, num_blocks: int) -> int:
     """The step token budget for `--max-num-batched-tokens requested` beside a pool of `num_blocks`:
     one token per request at least, and no more than the decoder takes beside that pool, its
-    positions (never under the decoder's default; sizing.check_token_budget refuses past that).
+    positions (never under the decoder's default): sizing.max_token_budget, check_token_budget's bound.
 
     The cap changes no step, so figures stay comparable with runs from before the decoder refused
     such budgets: every position a step computes takes a KV slot, so no step ever filled more than
     the pool, and the cap is never under 2,048, so the CPU kernels' prefill sizes (128, 512) are timed
     as before. `--quick` (sizes 1, 8) asked 4,096 beside 104 blocks of 16 (1,664 positions)."""
-    positions = (num_blocks - 1) * BLOCK_SIZE  # beside the reserved null block
-    return min(max(requested, max_requests), max(positions, DEFAULT_TOKEN_BUDGET))
+    return min(max(requested, max_requests), max_token_budget(BLOCK_SIZE, num_blocks))
 
 
 def build_engine(

@@ -13,7 +13,13 @@ import pytest
 from tandem.client.errors import ConfigError
 from tandem.decoder.api.main import main as decoder_main
 from tandem.decoder.config import EngineConfig
-from tandem.decoder.engine.step.sizing import check_sliding_window, max_model_len, num_kv_blocks
+from tandem.decoder.engine.step.sizing import (
+    DEFAULT_TOKEN_BUDGET,
+    check_sliding_window,
+    max_model_len,
+    max_token_budget,
+    num_kv_blocks,
+)
 from tandem.decoder.models.config import SlidingWindow
 
 
@@ -92,6 +98,12 @@ def test_the_default_budget_stays_valid_beside_a_pool_smaller_than_it(budget: in
     given = {} if budget is None else {"max_num_batched_tokens": budget}
     config = EngineConfig(model_dir=Path("m"), num_kv_blocks=8, **given)
     assert num_kv_blocks(config, TINY, world_size=1) == 8  # type: ignore[arg-type]
+
+
+def test_the_most_budget_is_the_pools_positions_beside_the_reserved_block_never_under_the_default() -> None:
+    """The bound the refusal above applies, which bench/decode_throughput.py caps its budget by."""
+    assert max_token_budget(16, 1001) == 16_000
+    assert max_token_budget(16, 8) == DEFAULT_TOKEN_BUDGET
 
 
 @pytest.mark.parametrize("static_shapes", ["true", "false"])

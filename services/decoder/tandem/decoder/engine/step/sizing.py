@@ -84,6 +84,12 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, world_size: i
     return num_blocks
 
 
+def max_token_budget(block_size: int, num_blocks: int) -> int:
+    """The most --max-num-batched-tokens beside a pool of `num_blocks` blocks of `block_size`: the
+    positions they hold beside the reserved one, never under the default (`check_token_budget`)."""
+    return max((num_blocks - 1) * block_size, DEFAULT_TOKEN_BUDGET)
+
+
 def check_token_budget(config: EngineConfig, num_blocks: int) -> None:
     """Refuses a step's token budget (--max-num-batched-tokens) past the positions a pool of
     `num_blocks` blocks holds beside the reserved one, unless it is the default's or less.
@@ -93,8 +99,7 @@ def check_token_budget(config: EngineConfig, num_blocks: int) -> None:
     harmless: static shapes warm a power-of-two token bucket past it, and --max-num-batched-tokens 2**63
     walked buckets up to 2**64 and never finished starting. The default (2,048) stays valid beside
     any pool, however small, as it always was. Raises ConfigError."""
-    held = (num_blocks - 1) * config.block_size
-    most = max(held, DEFAULT_TOKEN_BUDGET)
+    most = max_token_budget(config.block_size, num_blocks)
     if config.max_num_batched_tokens > most:
         raise ConfigError(
             "max_num_batched_tokens",
