@@ -116,7 +116,8 @@ async def test_one_encoder_stopped_for_good_ends_the_embeds_sent_to_it_within_se
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await encoder.stub.Embed(request, timeout=60)
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert time.monotonic() - started < 15
+            # ~9.5 s on an idle host (ping 2 s + 3 s, then gRPC's delayed close); one server's: 55-60 s
+            assert time.monotonic() - started < 20
         finally:
             await encoder.close()
     finally:
