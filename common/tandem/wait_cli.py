@@ -3,9 +3,9 @@
 `tandem up &` returns at once; the services then load their model. `tandem wait` (by default the
 encoder at 127.0.0.1:50051 and the decoder at 127.0.0.1:50052) returns 0 once each serves, or 1 with
 a line naming what did not within `--timeout-s` (`inf`: no limit, until interrupted; 0 is refused,
-pointing at inf, since `wait-for-it -t 0` waits for ever where a deadline of 0 would probe once; NaN
-and negative numbers are refused). An `http://` target is an HTTP health URL, e.g. the OpenAI gateway's
-`http://127.0.0.1:8000/health` (`tandem.readiness`).
+pointing at inf, since `wait-for-it -t 0` waits for ever where a deadline of 0 would probe once; NaN,
+negative numbers and more than a year are refused). An `http://` target is an HTTP health URL, e.g.
+the OpenAI gateway's `http://127.0.0.1:8000/health` (`tandem.readiness`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ from tandem.common.flags import (
 
 PROG = "tandem wait"
 DEFAULT_TARGETS = ("127.0.0.1:50051", "127.0.0.1:50052")  # `tandem up`'s encoder and decoder
+# The longest finite --timeout-s: a year, far past any model's load, and under threading.TIMEOUT_MAX
+# (9,223,372,036 s on Linux), so any wait given it can take it: 1e308 was taken and meant no limit, yet
+# threading's waits raise OverflowError from about 1e10 s. A longer wait is inf.
+MAX_TIMEOUT_S = 365 * 86_400.0
 
 
 def command() -> click.Command:
@@ -37,9 +41,11 @@ def command() -> click.Command:
             click.Argument(["targets"], nargs=-1),
             option(
                 "--timeout-s",
-                "give up after this many seconds, above 0; inf: as long as it takes (wait-for-it's -t 0)",
+                "give up after this many seconds, above 0 and at most a year (31,536,000); inf: as long as "
+                "it takes (wait-for-it's -t 0)",
                 type=SECONDS_OR_NO_LIMIT,
                 default=120.0,
+                callback=_at_most_a_year,
             ),
             *client_security_options(),
         ],
@@ -48,6 +54,14 @@ def command() -> click.Command:
         f"(200). Without TARGETs: {' and '.join(DEFAULT_TARGETS)}, what `tandem up` starts.",
         context_settings=CONTEXT_SETTINGS,
     )
+
+
+def _at_most_a_year(ctx: click.Context, param: click.Parameter, timeout_s: float) -> float:
+    if math.isfinite(timeout_s) and timeout_s > MAX_TIMEOUT_S:
+        raise click.BadParameter(
+            f"must be at most {MAX_TIMEOUT_S:,.0f} seconds (a year), or inf for no limit, got {timeout_s!r}"
+        )
+    return timeout_s
 
 
 def _wait(targets: tuple[str, ...], timeout_s: float, **values: Any) -> int:

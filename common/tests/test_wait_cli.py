@@ -66,6 +66,40 @@ def test_a_timeout_of_inf_waits_with_no_limit(
     assert capsys.readouterr().out == "serving: 127.0.0.1:1\n"
 
 
+@pytest.mark.parametrize(("timeout", "got"), [("1e308", "1e+308"), ("31536001", "31536001.0")])
+def test_a_timeout_over_a_year_is_refused_pointing_at_inf(
+    timeout: str, got: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """1e308 was taken and probed with no end, where the script asked for a bound; threading's waits
+    raise OverflowError from about 1e10 s, so no wait could have been given it."""
+    began = time.monotonic()
+    assert cli.main(["wait", "--timeout-s", timeout, "127.0.0.1:1"]) == 2
+    assert time.monotonic() - began < 5
+    assert capsys.readouterr().err == (
+        "tandem wait: --timeout-s (TANDEM_WAIT_TIMEOUT_S): must be at most 31,536,000 seconds (a year), "
+        f"or inf for no limit, got {got}\n"
+    )
+
+
+def test_a_timeout_of_a_year_is_waited_for_and_any_wait_can_take_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from tandem import readiness
+    from tandem.wait_cli import MAX_TIMEOUT_S
+
+    asked: list[float | None] = []
+
+    def wait(self: readiness.Probe, timeout_s: float | None, stop: object = None) -> dict[str, str]:
+        asked.append(timeout_s)
+        return {}
+
+    monkeypatch.setattr(readiness.Probe, "wait", wait)
+    assert cli.main(["wait", "--timeout-s", "31536000", "127.0.0.1:1"]) == 0
+    assert asked == [MAX_TIMEOUT_S] == [31_536_000.0]
+    assert MAX_TIMEOUT_S <= threading.TIMEOUT_MAX
+    assert threading.Lock().acquire(timeout=MAX_TIMEOUT_S)  # a free lock: at once, where 1e10 overflows
+
+
 @pytest.mark.parametrize(
     ("text", "said"),
     [
