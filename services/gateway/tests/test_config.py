@@ -13,7 +13,7 @@ from tandem.client.errors import ConfigError
 from tandem.common import memory_limit as memory_limit_module
 from tandem.common.memory_limit import MemoryLimit, memory_limit
 from tandem.gateway import config
-from tandem.gateway.__main__ import command, config_from_options
+from tandem.gateway.__main__ import command, config_from_options, main
 from tandem.gateway.config import MAX_BODY_BYTES, MAX_CHOICES, MIB, GatewayConfig
 
 
@@ -64,6 +64,38 @@ def test_the_large_bodies_of_one_caller_come_from_their_flag_or_variable_and_are
     assert _config([]).max_large_bodies_per_caller == 1
     with pytest.raises(ConfigError) as error:
         GatewayConfig(max_large_bodies_per_caller=0)
+    assert error.value.field == "max_large_bodies_per_caller"
+
+
+def test_a_callers_share_above_all_the_large_bodies_is_refused_naming_both_flags(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """2**63 was taken: a share no caller could ever reach, the places running out first."""
+    for per_caller in ("5", str(2**63)):
+        with pytest.raises(ConfigError) as error:
+            _config(["--max-large-bodies", "4", "--max-large-bodies-per-caller", per_caller])
+        assert error.value.field == "max_large_bodies_per_caller"
+        assert error.value.reason == (
+            "must be at most --max-large-bodies (4): one caller's share of the places cannot pass them "
+            f"all, got {per_caller}"
+        )
+    assert _config(["--max-large-bodies-per-caller", "4"]).max_large_bodies_per_caller == 4  # them all
+    assert main(["--max-large-bodies-per-caller", "5"]) == 2
+    assert capsys.readouterr().err == (
+        "tandem serve openai: --max-large-bodies-per-caller (TANDEM_OPENAI_MAX_LARGE_BODIES_PER_CALLER) "
+        "must be at most --max-large-bodies (4): one caller's share of the places cannot pass them all, "
+        "got 5\n"
+    )
+
+
+def test_the_default_share_is_lowered_to_a_small_max_large_bodies_and_only_a_share_set_is_refused() -> None:
+    """The default 2 above --max-large-bodies 1 would refuse a setting that is valid alone."""
+    small = _config(["--max-large-bodies", "1", "--body-workers", "1"])
+    assert small.max_large_bodies_per_caller == 1
+    assert GatewayConfig(max_large_bodies=1, body_workers=1).max_large_bodies_per_caller == 1
+    assert GatewayConfig(max_large_bodies=16).max_large_bodies_per_caller == 2  # never raised with it
+    with pytest.raises(ConfigError) as error:
+        _config(["--max-large-bodies", "1", "--body-workers", "1", "--max-large-bodies-per-caller", "2"])
     assert error.value.field == "max_large_bodies_per_caller"
 
 

@@ -122,6 +122,7 @@ def settings() -> list[click.Option]:
             "--max-large-bodies-per-caller",
             "of those, one caller's (its bearer token, else its IP address; 429 beyond)",
             type=int,
+            show_default="2, or --max-large-bodies where that is smaller",
         ),
         _setting(
             "--max-unread-answer-bytes",

@@ -15,6 +15,7 @@ from tandem.gateway.replicas import name_of
 DEFAULT_PORT = 8000  # vLLM's and SGLang's OpenAI port
 MIB = 1024 * 1024
 DEFAULT_BODY_WORKERS = 2
+DEFAULT_LARGE_BODIES_PER_CALLER = 2  # half of --max-large-bodies' default 4
 MAX_UNREAD_ANSWER_BYTES = 1024 * 1024 * MIB  # more memory than any gateway host: a bound that bounds nothing
 # Fewer than the smallest answer's JSON (one empty choice: about 400 bytes, its model's name apart): a
 # bound every answer passes alone, so each would wait for the gateway to hold nothing.
@@ -66,10 +67,12 @@ class GatewayConfig:
     # at most `max_large_bodies_per_caller` of them one caller's (as `max_streams_per_caller`, its token
     # else its address; 429 with Retry-After beyond). Half of the places: one caller holding its share
     # open (a body it never finishes) leaves the other half to everyone else. A place is taken with a
-    # body's first bytes, not its head: a head alone holds nothing.
+    # body's first bytes, not its head: a head alone holds nothing. A share above the places means
+    # nothing and is refused; None: DEFAULT_LARGE_BODIES_PER_CALLER, lowered to `max_large_bodies`
+    # where that is smaller (so a default never refuses `--max-large-bodies 1`), an int once built.
     large_body_bytes: int = 1 * MIB
     max_large_bodies: int = 4
-    max_large_bodies_per_caller: int = 2
+    max_large_bodies_per_caller: int | None = None
     # The JSON of non-streamed answers being written (reserved once decoded, from its tokens, settled
     # once serialized, until all sent), all callers together: an answer that would pass it waits, then
     # is a 503 with Retry-After after --write-timeout-s (`answer_bytes`); one over it alone is a 413 at
@@ -123,6 +126,9 @@ class GatewayConfig:
         return max(self.max_unread_answer_bytes // 3, MIN_UNREAD_ANSWER_BYTES)
 
     def __post_init__(self) -> None:
+        if self.max_large_bodies_per_caller is None:
+            share = min(DEFAULT_LARGE_BODIES_PER_CALLER, self.max_large_bodies)
+            object.__setattr__(self, "max_large_bodies_per_caller", share)  # frozen: set once, here
         self._check_addresses()
         for name in (
             "max_body_bytes",
@@ -198,6 +204,13 @@ class GatewayConfig:
 
     def _check_upper_bounds(self) -> None:
         """2**63 was taken for each of these, and the gateway listened promising what it could not do."""
+        per_caller = self.max_large_bodies_per_caller
+        if per_caller is not None and per_caller > self.max_large_bodies:
+            raise ConfigError(
+                "max_large_bodies_per_caller",
+                f"must be at most --max-large-bodies ({self.max_large_bodies}): one caller's share of the "
+                f"places cannot pass them all, got {per_caller}",
+            )
         if self.max_body_bytes > MAX_BODY_BYTES:
             raise ConfigError(
                 "max_body_bytes",
