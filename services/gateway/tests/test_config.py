@@ -209,6 +209,19 @@ def test_seconds_that_are_not_finite_are_refused_naming_the_flag(name: str, valu
     assert error.value.field == name and "finite" in str(error.value)
 
 
+def test_max_large_bodies_of_1_alone_is_taken_the_default_workers_lowered_to_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It was refused naming --body-workers, a flag never given: its default 2 was above 1."""
+    monkeypatch.setattr("tandem.gateway.config.available_cpus", lambda: 8)
+    config = _config(["--max-large-bodies", "1"])
+    assert (config.body_workers, config.max_large_bodies_per_caller) == (1, 1)
+    assert _config(["--max-large-bodies", "16"]).body_workers == 2  # never raised with it
+    with pytest.raises(ConfigError) as error:
+        _config(["--max-large-bodies", "1", "--body-workers", "2"])  # set: refused as before
+    assert error.value.field == "body_workers" and "must be in 1..1" in str(error.value)
+
+
 def test_body_workers_are_no_more_than_the_large_bodies_converted_at_once_nor_the_cpus(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -139,6 +139,7 @@ def settings() -> list[click.Option]:
             "--body-workers",
             "processes that parse and convert bodies over 1 MiB (at most --max-large-bodies, and the CPUs)",
             type=int,
+            show_default="2, or --max-large-bodies where that is smaller",
         ),
         _setting("--max-connections", "open HTTP connections (a new one beyond: 503, closed)", type=int),
         _setting(

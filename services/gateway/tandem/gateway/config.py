@@ -89,7 +89,9 @@ class GatewayConfig:
     # its caller's queue: 128 MiB holds about 8 such choices, or 200 of 131,072 English tokens without
     # logprobs.
     max_unread_answer_bytes_per_caller: int | None = None
-    body_workers: int = DEFAULT_BODY_WORKERS
+    # None: DEFAULT_BODY_WORKERS, lowered to `max_large_bodies` where that is smaller (a worker beyond
+    # it never gets a body, and a default must not refuse `--max-large-bodies 1`); an int once built.
+    body_workers: int | None = None
     # Open HTTP connections; beyond it a new one is answered 503 and closed (file descriptors are finite).
     max_connections: int = 512
     # Slow clients: a new connection's first request head must arrive within `header_timeout_s`; a
@@ -129,6 +131,8 @@ class GatewayConfig:
         if self.max_large_bodies_per_caller is None:
             share = min(DEFAULT_LARGE_BODIES_PER_CALLER, self.max_large_bodies)
             object.__setattr__(self, "max_large_bodies_per_caller", share)  # frozen: set once, here
+        if self.body_workers is None:
+            object.__setattr__(self, "body_workers", min(DEFAULT_BODY_WORKERS, self.max_large_bodies))
         self._check_addresses()
         for name in (
             "max_body_bytes",
@@ -248,7 +252,7 @@ class GatewayConfig:
         allowed on a single CPU."""
         num_cpus = available_cpus()
         most = min(self.max_large_bodies, max(num_cpus, DEFAULT_BODY_WORKERS))
-        if not 1 <= self.body_workers <= most:
+        if self.body_workers is None or not 1 <= self.body_workers <= most:
             raise ConfigError(
                 "body_workers",
                 f"must be in 1..{most} (--max-large-bodies {self.max_large_bodies} bodies are converted "
