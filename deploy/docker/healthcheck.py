@@ -3,20 +3,50 @@ answers grpc.health.v1 with SERVING, 1 otherwise.
 
 Only grpc is imported (the check runs every 10 s beside the service). Health needs no bearer token;
 with TLS, TANDEM_HEALTH_TLS_CA names the CA to trust (the certificate must name localhost), and with
-mutual TLS TANDEM_HEALTH_TLS_CERT / TANDEM_HEALTH_TLS_KEY a client certificate.
+mutual TLS TANDEM_HEALTH_TLS_CERT / TANDEM_HEALTH_TLS_KEY a client certificate. Each is read as the
+services read their PEM flags (tandem.client.flag_files, not importable here): a regular file of at
+most 1 MiB, else one line naming the variable and exit 1. Read whole, /dev/zero grew the check
+without bound, and a missing file was a traceback.
 """
 
 import os
+import stat
 import sys
 
 import grpc
 from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from grpc_health.v1.health_pb2_grpc import HealthStub
 
+# The services' bound on a PEM file (flag_files.MAX_PEM_FILE_BYTES): Mozilla's whole root store is
+# about 290 KB; a private CA, a chain or a key is a few KB.
+MAX_PEM_FILE_BYTES = 1024 * 1024
+
+
+class BadFile(Exception):
+    """A TANDEM_HEALTH_TLS_* file the check cannot use; its message names the variable."""
+
 
 def _pem(variable: str) -> bytes | None:
     path = os.environ.get(variable)
-    return open(path, "rb").read() if path else None
+    if not path:
+        return None
+    try:
+        # O_NONBLOCK: opening a FIFO would otherwise wait for a writer, and the check for its timeout.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as error:
+        raise BadFile(f"{variable}: {path}: {error.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a directory its own way
+        os.close(fd)
+        raise BadFile(f"{variable}: {path} is not a regular file")
+    with os.fdopen(fd, "rb") as file:
+        try:
+            data = file.read(MAX_PEM_FILE_BYTES + 1)  # one byte more tells an over-long file
+        except OSError as error:
+            raise BadFile(f"{variable}: {path}: {error.strerror}") from None
+    if len(data) > MAX_PEM_FILE_BYTES:
+        bound = f"{MAX_PEM_FILE_BYTES:,} bytes, the bound of a PEM file (1 MiB)"
+        raise BadFile(f"{variable}: {path} is over {bound}")
+    return data
 
 
 def _channel(port: str) -> grpc.Channel:
@@ -30,7 +60,12 @@ def _channel(port: str) -> grpc.Channel:
 
 def main() -> int:
     for port in os.environ["TANDEM_HEALTH_PORTS"].split():
-        with _channel(port) as channel:
+        try:
+            channel = _channel(port)
+        except BadFile as error:
+            print(f"healthcheck: {error}", file=sys.stderr)
+            return 1  # HEALTHCHECK's unhealthy, its line kept in `docker inspect`
+        with channel:
             answer = HealthStub(channel).Check(HealthCheckRequest(), timeout=3)
         if answer.status != HealthCheckResponse.SERVING:
             return 1

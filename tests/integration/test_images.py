@@ -5,8 +5,9 @@ compiler and runs without one; the encoder's has no compiler and no kernels; the
 torch and no numpy: it installs its two units only (common/ and services/gateway/), whose
 dependencies must cover what its modules import. Cheap textual checks of the files, and the
 gateway's requirements against what the gateway really imports. The HEALTHCHECK script itself runs
-against live services in test_up.py and test_security.py; docs/DEPLOYMENT.md records the images built
-and run for real.
+against live services in test_up.py and test_security.py, and here where a TLS file it is given
+cannot be used (refused before any connection); docs/DEPLOYMENT.md records the images built and run
+for real.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import resource
+import subprocess
 import sys
 import tomllib
 from collections.abc import Iterable
@@ -264,3 +267,44 @@ def test_service_healthchecks_run_the_grpc_health_script() -> None:
     assert command.startswith("python ") and Path(command.split()[1]) == HEALTH_SCRIPT
     script = HEALTH_SCRIPT.read_text()
     assert "grpc_health.v1" in script and "TANDEM_HEALTH_PORTS" in script
+
+
+@pytest.mark.parametrize("variable", [f"TANDEM_HEALTH_TLS_{name}" for name in ("CA", "CERT", "KEY")])
+@pytest.mark.parametrize("kind", ["device", "missing", "directory", "over 1 MiB"])
+def test_a_health_tls_file_it_cannot_use_is_one_line_naming_its_variable_and_unhealthy(
+    tmp_path: Path, variable: str, kind: str
+) -> None:
+    """Each was read whole: /dev/zero took 1.9 GB in 1.5 s (to a MemoryError under a 2 GB cap), a
+    missing file was a FileNotFoundError traceback. The services' PEM flags take a regular file of at
+    most 1 MiB; the check, which imports only grpc, reads its files by the same rule."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")  # read, not parsed, before the file at fault
+    over = tmp_path / "over.pem"
+    over.write_bytes(b"#" * (1024 * 1024 + 1))
+    path, said = {
+        "device": ("/dev/zero", "/dev/zero is not a regular file"),
+        "missing": (str(tmp_path / "missing.pem"), f"{tmp_path / 'missing.pem'}: No such file or directory"),
+        "directory": (str(tmp_path), f"{tmp_path} is not a regular file"),
+        "over 1 MiB": (str(over), f"{over} is over 1,048,576 bytes, the bound of a PEM file (1 MiB)"),
+    }[kind]
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # `python` is this venv's
+        "TANDEM_HEALTH_PORTS": "1",  # never asked: the file is refused first
+        "TANDEM_HEALTH_TLS_CA": str(ca),
+        variable: path,
+    }
+    check = subprocess.run(
+        ["sh", "-c", dockerfile_healthcheck_command()],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        preexec_fn=_cap_address_space,  # a whole read of /dev/zero fails here, not in the host's memory
+    )
+    assert (check.returncode, check.stdout, check.stderr) == (1, "", f"healthcheck: {variable}: {said}\n")
+
+
+def _cap_address_space() -> None:
+    """2 GiB of address space: the check needs a small part (grpc's import, a 1 MiB read)."""
+    resource.setrlimit(resource.RLIMIT_AS, (2**31, 2**31))
