@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .auth import read_token
-from .flag_files import MAX_CA_BUNDLE_BYTES, read_bounded, read_ca_bundle
+from .flag_files import TlsFile, TlsFileError, read_tls_files
 
 
 @dataclass(frozen=True)
@@ -40,29 +40,29 @@ class ChannelSecurity:
         token_file: Path | None = None,
         is_tls: bool = False,
     ) -> ChannelSecurity:
-        """From PEM files and a token file (its first token), as the CLI flags name them. Each is read
-        only as a regular file of at most 1 MiB, as the token files are (`flag_files`): read whole,
-        /dev/zero grew the process without end. The CA must hold a PEM certificate, as the CLI's
-        --tls-ca must: one that holds none made every call fail as if nothing listened. Raises
-        ValueError naming the file and what it is."""
-
-        def read(path: Path | None, what: str, is_ca: bool = False) -> bytes | None:
-            if path is None:
-                return None
-            try:
-                if is_ca:
-                    return read_ca_bundle(Path(path))
-                return read_bounded(Path(path), MAX_CA_BUNDLE_BYTES, f"{what} (1 MiB)")
-            except ValueError as error:
-                raise ValueError(f"cannot read {what}: {error}") from None
-
+        """From PEM files and a token file (its first token), as the CLI flags name them, read and
+        checked as the CLI's and the servers' are (`flag_files.read_tls_files`): each a regular file of
+        at most 1 MiB (read whole, /dev/zero grew the process without end), the CA and the certificate
+        PEM certificates (a CA that holds none made every call fail as if nothing listened), the key
+        the certificate's. Raises ValueError naming the file and what it is."""
+        try:
+            files = read_tls_files(cert, key, ca)
+        except TlsFileError as error:
+            raise ValueError(f"cannot use {_CLIENT_FILES[error.file]}: {error}") from None
         return cls(
             is_tls=is_tls,
-            root_certificates=read(ca, "a CA bundle", is_ca=True),
-            certificate_chain=read(cert, "a client certificate chain"),
-            private_key=read(key, "a client private key"),
+            root_certificates=files.ca_bundle,
+            certificate_chain=files.certificate_chain,
+            private_key=files.private_key,
             token=None if token_file is None else read_token(token_file),
         )
 
+
+# What each file is to a client, for a refusal.
+_CLIENT_FILES = {
+    TlsFile.CERTIFICATE_CHAIN: "a client certificate chain",
+    TlsFile.PRIVATE_KEY: "a client private key",
+    TlsFile.CA_BUNDLE: "a CA bundle",
+}
 
 PLAINTEXT = ChannelSecurity()

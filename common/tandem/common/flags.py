@@ -32,7 +32,7 @@ import click
 from tandem.client.auth import load_tokens, read_token
 from tandem.client.channel import ChannelSecurity
 from tandem.client.errors import ConfigError
-from tandem.client.flag_files import MAX_CA_BUNDLE_BYTES, read_bounded, read_ca_bundle
+from tandem.client.flag_files import TlsFile, TlsFileError, read_tls_files
 from tandem.common.server import DEFAULT_GRACE_S, ServerOptions, TlsOptions
 
 
@@ -382,31 +382,36 @@ def client_security_options() -> list[click.Option]:
 
 def client_security(values: Mapping[str, Any]) -> ChannelSecurity:
     """The channel security `client_security_options` ask for. Raises ConfigError naming the value's
-    key (`tls_ca`, ...) for a file that cannot be read or holds no token, or half a client pair."""
-
-    def read(name: str) -> bytes | None:
-        path = values[name]
-        if path is None:
-            return None
-        try:  # never read whole: /dev/zero passed 3 GB in 3 s; a CA that holds no PEM failed every call
-            if name == "tls_ca":
-                return read_ca_bundle(path)
-            return read_bounded(path, MAX_CA_BUNDLE_BYTES, "a PEM file (1 MiB)")
-        except ValueError as error:
-            raise ConfigError(name, f": {error}") from None
-
-    files = {"root_certificates": "tls_ca", "certificate_chain": "tls_cert", "private_key": "tls_key"}
-    pem = {field: read(name) for field, name in files.items()}
-    if (pem["certificate_chain"] is None) != (pem["private_key"] is None):
-        missing = "tls_key" if pem["private_key"] is None else "tls_cert"
+    key (`tls_ca`, ...) for half a client pair, a file that cannot be read or used (never read whole:
+    /dev/zero passed 3 GB in 3 s; a CA that holds no PEM failed every call), or one that holds no token."""
+    if (values["tls_cert"] is None) != (values["tls_key"] is None):
+        missing = "tls_key" if values["tls_key"] is None else "tls_cert"
         raise ConfigError(missing, ": --tls-cert and --tls-key go together (mutual TLS)")
+    try:
+        files = read_tls_files(values["tls_cert"], values["tls_key"], values["tls_ca"])
+    except TlsFileError as error:
+        raise ConfigError(_CLIENT_TLS_FIELDS[error.file], f": {error}") from None
     token = None
     if values["auth_token_file"] is not None:
         try:
             token = read_token(values["auth_token_file"])
         except ValueError as error:
             raise ConfigError("auth_token_file", f": {error}") from None
-    return ChannelSecurity(is_tls=values["tls"], token=token, **pem)
+    return ChannelSecurity(
+        is_tls=values["tls"],
+        root_certificates=files.ca_bundle,
+        certificate_chain=files.certificate_chain,
+        private_key=files.private_key,
+        token=token,
+    )
+
+
+# The value each of a client's TLS files comes from, for a refusal.
+_CLIENT_TLS_FIELDS = {
+    TlsFile.CERTIFICATE_CHAIN: "tls_cert",
+    TlsFile.PRIVATE_KEY: "tls_key",
+    TlsFile.CA_BUNDLE: "tls_ca",
+}
 
 
 def checked_client_security(values: Mapping[str, Any]) -> ChannelSecurity:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import datetime
 import gc
 import logging
 import socket
@@ -17,13 +16,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.tests.client.pem_files import localhost_pki
 from common.tests.client.replica import Replica, serve_decoder
 from tandem.client.channel import open_channel
 from tandem.client.first_calls import FirstCallsGate, health_probe, num_checks
@@ -177,45 +172,6 @@ async def test_a_dropped_channel_is_freed_without_the_cyclic_gc(servers: list[Ru
         gc.enable()
 
 
-def _localhost_pki(directory: Path) -> tuple[bytes, Path, Path]:
-    """A CA (PEM) and a server certificate and key it signed for the name `localhost` alone: a
-    connection that goes by an IP address fails its check."""
-    now = datetime.datetime.now(datetime.UTC)
-
-    def certificate(
-        name: str,
-        key: ec.EllipticCurvePrivateKey,
-        issuer: x509.Name,
-        signer: ec.EllipticCurvePrivateKey,
-        is_ca: bool,
-    ) -> x509.Certificate:
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(issuer)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True)
-        )
-        if not is_ca:
-            builder = builder.add_extension(
-                x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False
-            )
-        return builder.sign(signer, hashes.SHA256())
-
-    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test CA")])
-    ca = certificate("test CA", ca_key, ca_name, ca_key, is_ca=True)
-    cert_file, key_file = directory / "server.pem", directory / "server-key.pem"
-    cert_file.write_bytes(
-        certificate("localhost", server_key, ca_name, ca_key, is_ca=False).public_bytes(Encoding.PEM)
-    )
-    key_file.write_bytes(server_key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
-    return ca.public_bytes(Encoding.PEM), cert_file, key_file
-
-
 async def _serve_on_both_loopbacks(tls: TlsOptions | None = None) -> list[RunningServer]:
     """Replica "v4" on 127.0.0.1 and "v6" on [::1], on one port: the two servers `localhost` names.
     Skips where this host has no IPv6 loopback."""
@@ -266,7 +222,7 @@ async def test_a_tls_dns_names_probes_go_by_the_name(
     """Each probe dials one of the name's addresses; going by that address, it failed the servers'
     certificate check (they name `localhost`), and the gate stopped waiting at once. It goes by the
     name, as the channel does: no probe fails, and the burst spreads."""
-    ca, cert_file, key_file = _localhost_pki(tmp_path)
+    ca, cert_file, key_file = localhost_pki(tmp_path)
     servers = await _serve_on_both_loopbacks(TlsOptions(cert_file=cert_file, key_file=key_file))
     caplog.set_level(logging.DEBUG, logger="tandem.client.first_calls")
     try:

@@ -1,14 +1,28 @@
-"""Files a flag names are read only as a regular file within a bound, and a CA bundle only as PEM; each
-refusal names the path and what is wrong with it."""
+"""Files a flag names are read only as a regular file within a bound, and a TLS setting's PEM files only
+as PEM, a key only with the certificate it belongs to; each refusal names the path and what is wrong
+with it."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.serialization import BestAvailableEncryption
 
-from tandem.client.flag_files import MAX_CA_BUNDLE_BYTES, read_bounded, read_ca_bundle
+from common.tests.client.pem_files import self_signed
+from tandem.client.flag_files import (
+    MAX_PEM_FILE_BYTES,
+    TlsFile,
+    TlsFileError,
+    read_bounded,
+    read_tls_files,
+)
+
+
+def read_ca_bundle(path: Path) -> bytes | None:
+    return read_tls_files(None, None, path).ca_bundle
 
 
 def test_a_file_within_its_bound_is_read_whole(tmp_path: Path) -> None:
@@ -52,7 +66,7 @@ def test_an_empty_path_is_named_empty_not_dot() -> None:
 def test_the_whole_mozilla_root_store_is_a_ca_bundle_within_its_bound() -> None:
     certifi = pytest.importorskip("certifi")
     bundle = Path(certifi.where())
-    assert bundle.stat().st_size < MAX_CA_BUNDLE_BYTES
+    assert bundle.stat().st_size < MAX_PEM_FILE_BYTES
     assert read_ca_bundle(bundle) == bundle.read_bytes()
 
 
@@ -95,6 +109,93 @@ def test_a_ca_bundle_that_holds_no_pem_certificate_is_refused_naming_it(tmp_path
 
 def test_a_ca_bundle_past_1_mib_is_refused_naming_the_bound(tmp_path: Path) -> None:
     path = tmp_path / "ca.pem"
-    path.write_bytes(b"#" * (MAX_CA_BUNDLE_BYTES + 1))
+    path.write_bytes(b"#" * (MAX_PEM_FILE_BYTES + 1))
     with pytest.raises(ValueError, match=r"is over 1,048,576 bytes, the bound of a CA bundle \(1 MiB\)$"):
         read_ca_bundle(path)
+
+
+@pytest.mark.timeout(10)
+def test_a_file_of_begin_lines_and_no_end_line_is_refused_at_once(tmp_path: Path) -> None:
+    """Each begin line was tried against the rest of the file: 450 KB of them took 39 s to refuse, so a
+    bundle at the bound held a start for minutes."""
+    path = tmp_path / "ca.pem"
+    line = b"-----BEGIN CERTIFICATE-----\n"
+    path.write_bytes(line * (MAX_PEM_FILE_BYTES // len(line)))
+    with pytest.raises(TlsFileError, match=r"/ca.pem is not a PEM certificate$") as refused:
+        read_ca_bundle(path)
+    assert refused.value.file is TlsFile.CA_BUNDLE
+
+
+def test_a_certificate_chain_and_its_key_are_read_as_they_are(tmp_path: Path) -> None:
+    chain, key = self_signed(tmp_path, "server")
+    files = read_tls_files(chain, key, None)
+    assert (files.certificate_chain, files.private_key, files.ca_bundle) == (
+        chain.read_bytes(),
+        key.read_bytes(),
+        None,
+    )
+    assert "PRIVATE KEY" not in repr(files)
+
+
+def test_a_certificate_chain_that_holds_no_certificate_is_refused_as_a_ca_bundle_is(tmp_path: Path) -> None:
+    _, key = self_signed(tmp_path, "server")
+    chain = tmp_path / "chain.pem"
+    chain.write_text("my-hostname\n")
+    with pytest.raises(TlsFileError, match=r"/chain.pem is not a PEM certificate$") as refused:
+        read_tls_files(chain, key, None)
+    assert refused.value.file is TlsFile.CERTIFICATE_CHAIN
+
+
+def test_a_key_file_that_holds_no_private_key_is_refused_naming_it(tmp_path: Path) -> None:
+    """A certificate given as the key (the two paths swapped) was said as "key values mismatch" or
+    OpenSSL's "PEM lib", or by gRPC as "Failed to bind"."""
+    chain, _ = self_signed(tmp_path, "server")
+    with pytest.raises(TlsFileError, match=r"/server.pem is not a PEM private key$") as refused:
+        read_tls_files(chain, chain, None)
+    assert refused.value.file is TlsFile.PRIVATE_KEY
+
+
+def test_a_key_that_is_not_the_certificates_is_refused_naming_both(tmp_path: Path) -> None:
+    chain, _ = self_signed(tmp_path, "server")
+    _, other_key = self_signed(tmp_path, "other")
+    with pytest.raises(
+        TlsFileError, match=r"/other-key.pem is not the private key of .*/server.pem \(KEY_VALUES_MISMATCH\)$"
+    ) as refused:
+        read_tls_files(chain, other_key, None)
+    assert refused.value.file is TlsFile.PRIVATE_KEY
+
+
+def test_an_encrypted_key_is_refused_without_asking_for_its_password(tmp_path: Path) -> None:
+    """gRPC takes no password, and OpenSSL, given no way to ask for one, prompted on the terminal (a start
+    waited for an answer) or, with none, raised OSError 22."""
+    chain, key = self_signed(tmp_path, "server", BestAvailableEncryption(b"secret"))
+    said = r"/server-key.pem is encrypted: gRPC takes no password"
+    with pytest.raises(TlsFileError, match=said) as refused:
+        read_tls_files(chain, key, None)
+    assert refused.value.file is TlsFile.PRIVATE_KEY
+
+
+def test_the_key_is_checked_in_a_private_folder_removed_after_where_there_is_no_memfd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenSSL's key check takes paths only; memfd (Linux) keeps the bytes read in memory, elsewhere
+    they are written to a temporary folder of this process's, and removed."""
+    monkeypatch.delattr(os, "memfd_create")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    chain, key = self_signed(tmp_path, "server")
+    _, other_key = self_signed(tmp_path, "other")
+    assert read_tls_files(chain, key, None).private_key == key.read_bytes()
+    with pytest.raises(TlsFileError, match=r"is not the private key of .* \(KEY_VALUES_MISMATCH\)$"):
+        read_tls_files(chain, other_key, None)
+    assert list(scratch.iterdir()) == []
+
+
+@pytest.mark.parametrize("file", list(TlsFile))
+def test_each_pem_file_is_bounded_at_1_mib_naming_what_it_is(tmp_path: Path, file: TlsFile) -> None:
+    path = tmp_path / "big.pem"
+    path.write_bytes(b"#" * (MAX_PEM_FILE_BYTES + 1))
+    paths = {f: (path if f is file else None) for f in TlsFile}
+    with pytest.raises(TlsFileError, match=rf"is over 1,048,576 bytes, the bound of {file.value} \(1 MiB\)$"):
+        read_tls_files(paths[TlsFile.CERTIFICATE_CHAIN], paths[TlsFile.PRIVATE_KEY], paths[TlsFile.CA_BUNDLE])
