@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import socket
@@ -28,6 +29,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tandem import cli
 from tandem.client.auth import load_tokens
 from tandem.client.client import ChannelSecurity, DecoderClient, EncoderClient
+from tandem.client.errors import ConfigError
 from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2
 from tandem.common.server import ServerOptions, TlsOptions, start_server
 from tandem.decoder.api.main import config_from_args as decoder_config
@@ -335,7 +337,7 @@ def test_security_settings_are_validated_and_tokens_never_printed(
         decoder_config(["--tls-cert", str(pki.server_cert)])
     with pytest.raises(ValueError, match="tls_client_ca needs --tls-cert and --tls-key"):
         encoder_config(["--model", "m", "--tls-client-ca", str(pki.ca)])
-    with pytest.raises(ValueError, match="not a readable file"):
+    with pytest.raises(ValueError, match=r"^tls_cert: .*/missing.pem: No such file or directory$"):
         decoder_config(["--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", str(pki.server_key)])
     empty = tmp_path / "empty.txt"
     empty.write_text("# no tokens yet\n\n")
@@ -450,10 +452,82 @@ def test_a_key_that_is_not_the_certificates_is_one_line_naming_the_flag(
     mismatched = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.rogue_server_key)]
     assert decoder_main(["--model", str(tiny_model_dir), "--port", "0", *mismatched]) == 2
     said = f"{pki.rogue_server_key} is not the private key of {pki.server_cert} (KEY_VALUES_MISMATCH)"
-    assert capsys.readouterr().err == f"tandem serve decoder: --tls-key (TANDEM_TLS_KEY) {said}\n"
+    assert capsys.readouterr().err == f"tandem serve decoder: --tls-key (TANDEM_TLS_KEY): {said}\n"
     ports = ["--encoder-port", str(_free_port()), "--decoder-port", str(_free_port())]
     assert cli.main(["up", "--model", str(tiny_model_dir), *ports, *mismatched]) == 2
-    assert capsys.readouterr().err == f"tandem up: --tls-key (TANDEM_UP_TLS_KEY) {said}\n"
+    assert capsys.readouterr().err == f"tandem up: --tls-key (TANDEM_UP_TLS_KEY): {said}\n"
+
+
+def _past_the_bound(pem: Path, path: Path) -> None:
+    """`pem` at `path`, followed by zeros to one byte past 1 MiB: OpenSSL's reader passes over them."""
+    path.write_bytes(pem.read_bytes())
+    with path.open("r+b") as file:
+        file.truncate(1024 * 1024 + 1)
+
+
+@pytest.mark.parametrize(
+    ("cert", "key", "client_ca", "field", "said"),
+    [
+        ("missing.pem", "server_key", None, "tls_cert", "/missing.pem: No such file or directory"),
+        ("server_cert", "/dev/zero", None, "tls_key", "/dev/zero is not a regular file"),
+        ("server_key", "server_key", None, "tls_cert", "/server-key.pem is not a PEM certificate"),
+        ("server_cert", "server_cert", None, "tls_key", "/server.pem is not a PEM private key"),
+        (
+            "server_cert",
+            "server_key",
+            "server_key",
+            "tls_client_ca",
+            "/server-key.pem is not a PEM certificate",
+        ),
+        (
+            "long-server.pem",
+            "server_key",
+            None,
+            "tls_cert",
+            "/long-server.pem is over 1,048,576 bytes, the bound of a certificate chain (1 MiB)",
+        ),
+        (
+            "server_cert",
+            "server_key",
+            "long-ca.pem",
+            "tls_client_ca",
+            "/long-ca.pem is over 1,048,576 bytes, the bound of a CA bundle (1 MiB)",
+        ),
+    ],
+)
+def test_a_tls_file_a_server_cannot_use_is_refused_naming_its_field(
+    pki: Pki, tmp_path: Path, cert: str, key: str, client_ca: str | None, field: str, said: str
+) -> None:
+    """Each is read as the clients read theirs (`tandem.client.flag_files`): a certificate file with a
+    1 GiB tail of zeros passed the check, read through OpenSSL, then grew the server by 1 GiB."""
+    _past_the_bound(pki.server_cert, tmp_path / "long-server.pem")
+    _past_the_bound(pki.ca, tmp_path / "long-ca.pem")
+
+    def path(name: str) -> Path:  # a Pki field, a path of the system's, or one in tmp_path
+        return getattr(pki, name) if hasattr(pki, name) else tmp_path / name
+
+    with pytest.raises(ConfigError, match=rf"^{field}: .*{re.escape(said)}$"):
+        TlsOptions(path(cert), path(key), None if client_ca is None else path(client_ca))
+
+
+async def test_a_server_serves_its_tls_files_as_checked_even_if_they_are_replaced_before_it_starts(
+    pki: Pki, tmp_path: Path
+) -> None:
+    """They were read again at the start, so a file replaced in between served bytes never checked."""
+    cert, key, ca = tmp_path / "server.pem", tmp_path / "server-key.pem", tmp_path / "ca.pem"
+    for copy, original in ((cert, pki.server_cert), (key, pki.server_key), (ca, pki.ca)):
+        copy.write_bytes(original.read_bytes())
+    tls = TlsOptions(cert, key, client_ca_file=ca)
+    for replaced in (cert, key, ca):
+        replaced.write_text("replaced\n")
+    server = await start_server(ServerOptions(port=0, tls=tls), [])
+    try:
+        await server.set_serving()
+        security = ChannelSecurity.from_files(pki.ca, pki.client_cert, pki.client_key)
+        async with DecoderClient(f"127.0.0.1:{server.port}", security=security) as client:
+            assert await client.health(timeout=10) == SERVING
+    finally:
+        await server.stop(0)
 
 
 async def test_the_security_pages_openssl_lines_make_certificates_for_mutual_tls(tmp_path: Path) -> None:

@@ -34,7 +34,6 @@ import asyncio
 import logging
 import math
 import signal
-import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +47,7 @@ from tandem.client import error_reasons as reasons
 from tandem.client.auth import AuthInterceptor
 from tandem.client.channel import DEFAULT_MAX_MESSAGE_BYTES
 from tandem.client.errors import ConfigError
+from tandem.client.flag_files import TlsFile, TlsFileError, TlsFiles, read_tls_files
 from tandem.client.status import ErrorInterceptor
 from tandem.common.call_bound import CallBound, grpc_bound
 from tandem.common.health import BoundedHealth, max_watches
@@ -98,37 +98,25 @@ def notice_within(grace_s: float) -> float:
 
 @dataclass(frozen=True)
 class TlsOptions:
-    """PEM files of a TLS server; read when the server starts, so rotated files need a restart."""
+    """PEM files of a TLS server, read once when built and handed to gRPC as read (rotated files need a
+    restart). Read so, a file replaced between the check and the start cannot pass one and serve the
+    other, and each is bounded (`tandem.client.flag_files`): a 1 GiB certificate file (a certificate,
+    then zeros) passed the check, read through OpenSSL, and then grew the server by 1 GiB, read whole."""
 
     cert_file: Path  # the server's certificate chain, leaf first.
     key_file: Path  # its private key (unencrypted PEM).
     client_ca_file: Path | None = None  # set: mutual TLS, clients need a certificate this CA signed.
+    # What the three files held when checked, for `server_credentials`: set by __post_init__ only.
+    files: TlsFiles = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        """The files exist and the key is the certificate's: else gRPC fails later with "Failed to bind"."""
-        for name, field_name in _TLS_FIELDS.items():
-            path = getattr(self, name)
-            if path is not None and not Path(path).is_file():
-                raise ConfigError(field_name, f"{path} is not a readable file")
-        try:  # else load_cert_chain below blames the key, "(None)", for a file that holds no certificate
-            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(self.cert_file)
-        except (ssl.SSLError, UnicodeDecodeError):
-            raise ConfigError("tls_cert", f": {self.cert_file} is not a PEM certificate") from None
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        """Each file is a regular file of at most 1 MiB holding PEM, and the key is the certificate's
+        and unencrypted: else gRPC fails later with "Failed to bind"."""
         try:
-            context.load_cert_chain(self.cert_file, self.key_file)
-        except ssl.SSLError as error:
-            why = f" ({error.reason})" if error.reason else ""
-            raise ConfigError(
-                "tls_key", f"{self.key_file} is not the private key of {self.cert_file}{why}"
-            ) from None
-        if self.client_ca_file is not None:
-            try:
-                context.load_verify_locations(self.client_ca_file)
-            except ssl.SSLError as error:
-                raise ConfigError(
-                    "tls_client_ca", f"{self.client_ca_file} holds no PEM CA ({error.reason})"
-                ) from None
+            files = read_tls_files(self.cert_file, self.key_file, self.client_ca_file)
+        except TlsFileError as error:
+            raise ConfigError(_TLS_FIELDS[error.file], f": {error}") from None
+        object.__setattr__(self, "files", files)  # frozen: the one write, as it is built
 
     @classmethod
     def from_paths(
@@ -146,9 +134,10 @@ class TlsOptions:
         return cls(Path(cert), Path(key), None if client_ca is None else Path(client_ca))
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        root = Path(self.client_ca_file).read_bytes() if self.client_ca_file is not None else None
+        """The credentials of the bytes checked when built; no file is read again."""
+        root = self.files.ca_bundle
         return grpc.ssl_server_credentials(
-            [(Path(self.key_file).read_bytes(), Path(self.cert_file).read_bytes())],
+            [(self.files.private_key, self.files.certificate_chain)],
             root_certificates=root,
             require_client_auth=root is not None,
         )
@@ -200,7 +189,12 @@ class ServerOptions:
             )
 
 
-_TLS_FIELDS = {"cert_file": "tls_cert", "key_file": "tls_key", "client_ca_file": "tls_client_ca"}
+# The config field each of a server's TLS files fills, for a refusal.
+_TLS_FIELDS = {
+    TlsFile.CERTIFICATE_CHAIN: "tls_cert",
+    TlsFile.PRIVATE_KEY: "tls_key",
+    TlsFile.CA_BUNDLE: "tls_client_ca",
+}
 
 
 def _server_options(options: ServerOptions) -> list[tuple[str, Any]]:
