@@ -12,8 +12,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from tandem.client.errors import ConfigError, InvalidArgument
-from tandem.common.cpus import available_cpus
+from tandem.common.cpus import CGROUP_CPU_MAX, available_cpus, quota_cpus
 from tandem.common.dtypes import COMPUTE_NAMES
 from tandem.common.model_name import check_adapter_name, check_served_name
 from tandem.common.server import DEFAULT_MAX_CONCURRENT_RPCS, ServerOptions
@@ -92,6 +94,19 @@ def max_num_threads() -> int:
     return available_cpus()
 
 
+def default_num_threads(cpu_max: Path) -> int | None:
+    """--num-threads left out: a container's CPU quota (cgroup v2 `cpu_max`) rounded up, where that is
+    below both the CPUs this process may run on and torch's own default; else None, torch's default
+    (the physical cores, or OMP_NUM_THREADS where set). Torch counts the host's cores, not the quota:
+    two threads on a one-CPU quota take turns on one CPU's time and are throttled each period, so the
+    quota rounded up, as Go 1.25's GOMAXPROCS and the JVM take it. Never above torch's default, so an
+    OMP_NUM_THREADS=1 stays 1. A --num-threads given is bounded by the affinity mask, not the quota."""
+    quota = quota_cpus(cpu_max)
+    if quota is None or quota >= available_cpus():
+        return None
+    return quota if quota < torch.get_num_threads() else None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; no transport settings."""
@@ -156,7 +171,9 @@ class EngineConfig:
     # (backends/cpu/kernel_choice.py, cached beside the model); a build's name runs that build's
     # kernel for every linear.
     cpu_kernels: str = AUTO_KERNELS
-    num_threads: int | None = None  # torch intra-op threads; None = torch's default.
+    # torch intra-op threads; None = default_num_threads (a container's CPU quota, rounded up, where
+    # lower than the CPUs and torch's default), else torch's default: an int or None once built.
+    num_threads: int | None = None
     # A request's tokens do not depend on what else runs: each request's forward pass runs alone, its
     # prefill chunks start where they would alone, and prefix caching is off. Costs a batched step's
     # speed (one pass per request); see the proto's SamplingParams.seed.
@@ -307,6 +324,8 @@ class EngineConfig:
             )
         if self.speculative_max_batch < 1:
             raise ConfigError("speculative_max_batch", f"must be >= 1, got {self.speculative_max_batch}")
+        if self.num_threads is None:
+            object.__setattr__(self, "num_threads", default_num_threads(CGROUP_CPU_MAX))  # frozen: once
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
         if self.num_threads is not None and self.num_threads > max_num_threads():

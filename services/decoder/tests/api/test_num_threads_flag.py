@@ -2,17 +2,22 @@
 affinity mask, else the host's logical CPUs: config.max_num_threads).
 More only take turns on the same CPUs, and far more took the host down: 100,000 starved it of processes
 (SIGSEGV after the decoder listened), 2**31 failed torch.set_num_threads in a traceback. Past the bound
-it is one line naming the flag and its limit, exit 2, before anything is loaded or listened on."""
+it is one line naming the flag and its limit, exit 2, before anything is loaded or listened on.
+Left out, it is a container's CPU quota rounded up (cgroup v2 cpu.max) where that is below the CPUs and
+torch's own default, else torch's default."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from tandem.client.errors import ConfigError
+from tandem.decoder import config
 from tandem.decoder.api.main import config_from_args
 from tandem.decoder.api.main import main as decoder_main
 from tandem.decoder.config import EngineConfig, max_num_threads
@@ -83,3 +88,53 @@ def test_a_process_pinned_to_one_cpu_may_run_one_thread() -> None:
         f"{PREFIX} must be at most 1 (the CPUs this process may run on: more threads only take turns on "
         "them), got 2\n"
     )
+
+
+@pytest.fixture
+def eight_cpus_with_a_quota(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A host of 8 CPUs, torch's default 8 threads, and a cgroup v2 cpu.max the test writes."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    cpu_max = tmp_path / "cpu.max"
+    monkeypatch.setattr(config, "CGROUP_CPU_MAX", cpu_max)
+    return cpu_max
+
+
+@pytest.mark.parametrize(
+    ("text", "threads"), [("150000 100000", 2), ("100000 100000", 1), ("5000 100000", 1)]
+)
+def test_left_out_it_is_the_cpu_quota_rounded_up(
+    eight_cpus_with_a_quota: Path, text: str, threads: int
+) -> None:
+    """docker run --cpus 1.5 on an 8-CPU host: torch's 8 threads took turns on 1.5 CPUs' time,
+    throttled each period (Go 1.25's GOMAXPROCS and the JVM take the quota, rounded up)."""
+    eight_cpus_with_a_quota.write_text(text + "\n")
+    assert config_from_args([]).engine.num_threads == threads
+    assert EngineConfig(model_dir=eight_cpus_with_a_quota.parent).num_threads == threads
+
+
+@pytest.mark.parametrize("text", ["max 100000", "800000 100000", "1600000 100000", "garbage"])
+def test_left_out_without_a_quota_below_the_cpus_it_is_torchs_default(
+    eight_cpus_with_a_quota: Path, text: str
+) -> None:
+    eight_cpus_with_a_quota.write_text(text + "\n")
+    assert config_from_args([]).engine.num_threads is None  # the engine then runs torch.get_num_threads()
+    eight_cpus_with_a_quota.unlink()  # cgroup v1, or a host's root cgroup
+    assert config_from_args([]).engine.num_threads is None
+
+
+def test_the_quota_never_raises_torchs_own_default(
+    eight_cpus_with_a_quota: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OMP_NUM_THREADS=1 makes torch's default 1: a quota of 3 CPUs keeps it."""
+    eight_cpus_with_a_quota.write_text("300000 100000\n")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert config_from_args([]).engine.num_threads is None
+
+
+def test_a_num_threads_given_may_pass_the_quota_up_to_the_cpus(eight_cpus_with_a_quota: Path) -> None:
+    eight_cpus_with_a_quota.write_text("100000 100000\n")
+    assert config_from_args(["--num-threads", "8"]).engine.num_threads == 8
+    with pytest.raises(ConfigError) as error:
+        config_from_args(["--num-threads", "9"])
+    assert error.value.field == "num_threads" and "must be at most 8 " in str(error.value)

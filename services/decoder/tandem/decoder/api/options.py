@@ -189,7 +189,8 @@ def settings() -> list[Setting]:
             "--num-threads",
             "torch intra-op threads of each rank, at most the CPUs this process may run on",
             type=int,
-            show_default="torch's default",
+            show_default="a container's CPU quota rounded up (cgroup v2 cpu.max) where below the CPUs and "
+            "torch's default, else torch's default",
         ),
         _engine_setting(
             "--speculative-tokens",
