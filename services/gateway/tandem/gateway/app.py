@@ -30,10 +30,8 @@ from typing import Any
 
 import grpc
 from aiohttp import HttpVersion11, StreamReader, hdrs, web
-from aiohttp.abc import AbstractMatchInfo
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
-from aiohttp.web_urldispatcher import MatchInfoError
 
 from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.memory import give_back
@@ -76,8 +74,10 @@ from tandem.gateway.http_span import (
 from tandem.gateway.image_bytes import over_cap, refusal_asking_again
 from tandem.gateway.log_text import printable
 from tandem.gateway.parse_failures import body_reason_of
+from tandem.gateway.refusals import answer_and_close, drop_rest, error_response
 from tandem.gateway.responses import Completion
 from tandem.gateway.tasks import all_or_cancel
+from tandem.gateway.unrouted import Unrouted, unrouted
 
 log = logging.getLogger("tandem.gateway")
 
@@ -95,10 +95,6 @@ _PROPAGATED_HEADERS = ("traceparent", "tracestate", "baggage")
 FIRST_HEALTH_S = 1.0
 # The server span's status of a request the gateway ended before its answer ended, its caller still there.
 GATEWAY_CUT = "the gateway ended the request: its shutdown's --grace-s passed, or its --write-timeout-s"
-
-
-def error_response(error: HttpError) -> web.Response:
-    return web.json_response(error.body(), status=error.status, headers=error.headers())
 
 
 class Gateway:
@@ -154,10 +150,10 @@ class Gateway:
         app.router.add_post("/v1/chat/completions", self.chat, expect_handler=self._expect_body)
         app.router.add_post("/v1/completions", self.completions, expect_handler=self._expect_body)
         app.router.add_post("/v1/embeddings", self.embeddings, expect_handler=self._expect_body)
-        unrouted = _Unrouted("/{path:.*}", name=UNROUTED)
-        app.router.register_resource(unrouted)
-        unrouted.add_route("*", self.unrouted, **bodiless)
-        unrouted.take_unmatched(app.router)
+        catch_all = Unrouted("/{path:.*}", name=UNROUTED)
+        app.router.register_resource(catch_all)
+        catch_all.add_route("*", unrouted, **bodiless)
+        catch_all.take_unmatched(app.router)
         return app
 
     async def _first_health(self, app: web.Application) -> None:
@@ -190,14 +186,14 @@ class Gateway:
             return None
         if (refusal := self._expect_refusal(request, reads_body)) is not None:
             # Answered by aiohttp, which then lingers (LINGERING_S), reading and dropping unparsed what
-            # comes of the body before it closes (`_drop_rest`): a client may send the body without
+            # comes of the body before it closes (`drop_rest`): a client may send the body without
             # waiting for `100 Continue` (RFC 9110 10.1.1; Python's http.client does), and a socket
             # closed under an arriving body is reset, the answer lost (5 of 5 such 5 MB uploads read
             # ConnectionResetError instead of their 401).
             response = error_response(refusal)
             response.force_close()
             if _is_body_left(request):
-                _drop_rest(request, response)
+                drop_rest(request, response)
             return response
         if not reads_body:
             return None
@@ -238,7 +234,7 @@ class Gateway:
         except Refused as refused:
             response = error_response(refused.error)
             if refused.close:
-                await _answer_and_close(request, response)
+                await answer_and_close(request, response)
             elif refused.error.status == 413 and _is_body_left(request):
                 # The rest of a body over --max-body-bytes may still be coming: not worth reading (aiohttp
                 # would, for its lingering time). A 413 after the whole body was read (an answer or a
@@ -291,16 +287,16 @@ class Gateway:
         --max-body-bytes, parsed all of it and served the next request on the connection. What is left is
         drained only where its length is declared within --max-body-bytes and it was not held back for
         a `100 Continue` (which a route reading no body never sends); else it is dropped unparsed and the
-        connection closed after the answer, as a 401 does (`_drop_rest`)."""
+        connection closed after the answer, as a 401 does (`drop_rest`)."""
         if (refusal := framing_refusal(request.headers, request.version)) is None:
             response = await handler(request)
             if _is_body_left(request) and not self._is_drained(request):
-                _drop_rest(request, response)
+                drop_rest(request, response)
             return response
         if self.guard is not None:
             self.guard.head_received(request.transport)  # as `_errors` would: it does not run
         response = error_response(refusal)
-        _drop_rest(request, response)
+        drop_rest(request, response)
         return response
 
     @web.middleware
@@ -311,14 +307,14 @@ class Gateway:
         (its lingering read) and keeps the connection where the whole body came in that time: a caller
         with no token had the gateway parse a second's worth of body (LINGERING_S), over --max-body-bytes
         too (a 401 to 64 MiB sent whole parsed all of it and kept the connection for the next one). The
-        rest is dropped unparsed instead (`_drop_rest`): a client still sending reads the 401 rather than
+        rest is dropped unparsed instead (`drop_rest`): a client still sending reads the 401 rather than
         a reset, and the connection then closes. A body that came whole with its head costs nothing
         more: that connection is kept. No byte of it is decoded (body_codings' NOTE)."""
         if (refusal := self._unauthenticated(request)) is None:
             return await handler(request)
         response = error_response(refusal)
         if _is_body_left(request):
-            _drop_rest(request, response)
+            drop_rest(request, response)
         return response
 
     def _is_drained(self, request: web.Request) -> bool:
@@ -407,19 +403,6 @@ class Gateway:
             body["model"] = replicas.model
             body["model_unknown"] = list(unknown)
         return web.json_response(body, status=200 if serving else 503)
-
-    async def unrouted(self, request: web.Request) -> web.Response:
-        """A path no route serves (404), or a method its route does not (405): a route of its own, so
-        that its `Expect` is the gateway's to answer (`app`). A CONNECT is 405 too, and closed."""
-        if request.method == hdrs.METH_CONNECT:
-            return _connect_refused(request)
-        allowed: set[str] = set()
-        for resource in request.app.router.resources():
-            if resource.name != UNROUTED:
-                allowed |= (await resource.resolve(request))[1]
-        if allowed:
-            raise web.HTTPMethodNotAllowed(request.method, allowed)
-        raise web.HTTPNotFound()
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": await self._model_cards(request)})
@@ -780,73 +763,6 @@ class Gateway:
         failed one its share of model-info calls, each UNAVAILABLE."""
         async with self.callers.stub(GATEWAY_CALLER) as stub:
             yield stub
-
-
-class _Unrouted(web.DynamicResource):
-    """Every request target, `*` (`OPTIONS *`) too, which no pattern of aiohttp's matches: each starts with
-    "/", and `OPTIONS *` met aiohttp's own expect handler (`Gateway.app`)."""
-
-    def _match(self, path: str) -> dict[str, str] | None:
-        return {"path": path}
-
-    def take_unmatched(self, router: web.UrlDispatcher) -> None:
-        """Every request `router` matches no route of comes here too. aiohttp tries routes only while a
-        path is left to walk, so a target with an empty path, absolute-form with none (`GET http://x`,
-        any method) and every CONNECT (its target an authority), reached no route, this one neither: it
-        met aiohttp's expect handler, which answered `Expect: foo` 417 and kept the connection (what came
-        as its body answered as a request, a token's or not), and sent `100 Continue` before a 401."""
-        resolve = router.resolve
-
-        async def resolve_all(request: web.Request) -> AbstractMatchInfo:
-            match_info = await resolve(request)
-            if isinstance(match_info, MatchInfoError):
-                unrouted, _ = await self.resolve(request)  # its `_match` takes every path, "" too
-                return unrouted or match_info
-            return match_info
-
-        router.resolve = resolve_all  # type: ignore[method-assign]
-
-
-async def _answer_and_close(request: web.Request, response: web.StreamResponse) -> None:
-    """`response` written, then the connection closed at once, for a body that stalled or trickled, or
-    one announced and refused before it was asked for (`Expect: 100-continue`): aiohttp would otherwise
-    linger (its lingering_time: read and drop what is left of the body) on a connection the caller is
-    holding open on purpose, or for a body that is not coming. nginx closes a connection whose body timed out
-    the same way."""
-    response.force_close()  # the head says `Connection: close`: a client must not reuse the connection
-    await response.prepare(request)
-    await response.write_eof()
-    if request.protocol is not None:
-        request.protocol.force_close()
-
-
-def _drop_rest(request: web.Request, response: web.StreamResponse) -> None:
-    """`response` says `Connection: close`, and what is left of the body is dropped as it comes,
-    unparsed: closed by the protocol (`RequestHandler.close`), the connection takes no more bytes to
-    its parser, and aiohttp's drain reads what was already parsed,
-    then waits out its lingering time (LINGERING_S) while the kernel's bytes are read and dropped, so
-    that a caller still sending reads the answer, not a reset."""
-    response.force_close()
-    if request.protocol is not None:
-        request.protocol.close()
-
-
-def _connect_refused(request: web.Request) -> web.Response:
-    """405 to a CONNECT, which asks a proxy for a tunnel (RFC 9110 9.3.6): this server is none. What
-    follows its head is the tunnel's, not HTTP (aiohttp reads it as the request's body until the
-    connection ends), so it is dropped unparsed and the connection closed (`_drop_rest`): kept, the
-    bytes after a refused CONNECT were answered as requests."""
-    served = {
-        route.method
-        for resource in request.app.router.resources()
-        if resource.name != UNROUTED
-        for route in resource
-    }
-    message = "CONNECT asks a proxy for a tunnel: this server is not one"
-    allow = (("Allow", ", ".join(sorted(served))),)
-    response = error_response(HttpError(405, "invalid_request_error", message, more_headers=allow))
-    _drop_rest(request, response)
-    return response
 
 
 def _is_body_left(request: web.Request) -> bool:
