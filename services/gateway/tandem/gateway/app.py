@@ -29,9 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-from aiohttp import HttpVersion11, StreamReader, hdrs, web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
+from aiohttp import HttpVersion11, hdrs, web
 
 from tandem.client.errors import InvalidArgument, Unavailable
 from tandem.client.memory import give_back
@@ -39,15 +37,17 @@ from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb
 from tandem.client.semconv import TANDEM_CALLER_DISCONNECTED
 from tandem.gateway import answers, embeddings, images
 from tandem.gateway.answer_bytes import AnswerBytes
-from tandem.gateway.bodies import BodyWorkers, Convert, LargeBodies, LargeBody, convert
-from tandem.gateway.body_codings import (
-    DecodedBody,
-    coding_of,
-    coding_refusal,
-    framing_refusal,
-    is_body_left,
+from tandem.gateway.bodies import BodyWorkers
+from tandem.gateway.body_codings import coding_refusal, framing_refusal
+from tandem.gateway.body_intake import (
+    BODY_NAMES,
+    LARGE_BODY,
+    WAS_LARGE,
+    BodyIntake,
+    has_body_left,
+    too_large_body,
 )
-from tandem.gateway.body_limits import BodyLimits, count_values
+from tandem.gateway.body_limits import BodyLimits
 from tandem.gateway.callers import GATEWAY_CALLER, CallerChannels, caller_of, model_check_metadata
 from tandem.gateway.calls import EmbedCall, GenerateCall
 from tandem.gateway.chat_request import chat_request
@@ -73,7 +73,6 @@ from tandem.gateway.http_span import (
 )
 from tandem.gateway.image_bytes import over_cap, refusal_asking_again
 from tandem.gateway.log_text import printable
-from tandem.gateway.parse_failures import body_reason_of
 from tandem.gateway.refusals import answer_and_close, drop_rest, error_response
 from tandem.gateway.responses import Completion
 from tandem.gateway.tasks import all_or_cancel
@@ -84,10 +83,6 @@ log = logging.getLogger("tandem.gateway")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 HEALTH_PATH = "/health"  # probed by `tandem up`, `tandem wait`, compose and Kubernetes
 UNAUTHENTICATED_PATHS = (HEALTH_PATH,)
-LARGE_BODY = web.RequestKey("large_body", LargeBody)  # this request's place among the large bodies
-WAS_LARGE = web.RequestKey("was_large", bool)  # it held one: give the heap back when it ends
-BODY_NAMES = web.RequestKey("body_names", BodyNames)  # the body's names for fields an error may name
-DECODED_BODY = web.RequestKey("decoded_body", DecodedBody)  # a coded body's reader: what is left of it
 # The W3C headers a caller's trace context comes in (tandem.client.telemetry.propagation reads them).
 _PROPAGATED_HEADERS = ("traceparent", "tracestate", "baggage")
 # How long the gateway's start waits for its decoder replicas' first word (health): a request before
@@ -111,13 +106,12 @@ class Gateway:
         self.config = config
         self.encoder = encoder
         self.callers = callers
-        self.workers = workers
         self.guard = guard  # told of each request head (the first one ends a connection's header timer)
         self.tracer = tracer  # an OpenTelemetry tracer when tracing is on: one span per HTTP request
         # How long the start waits for the decoder replicas' first word (FIRST_HEALTH_S; tests of a
         # gateway over no serving decoder set less: each such start waited the whole second).
         self.first_health_s = first_health_s
-        self.large_bodies = LargeBodies(config.max_large_bodies, config.max_large_bodies_per_caller)
+        self.bodies = BodyIntake(config, workers, self._caller)  # read, bounded, converted
         self._streams: Counter[str] = Counter()  # open completions per caller
         self._writing: Counter[str] = Counter()  # choices of non-streamed answers being written, per caller
         # Their JSON held, reserved once decoded: all callers' and each caller's.
@@ -192,7 +186,7 @@ class Gateway:
             # ConnectionResetError instead of their 401).
             response = error_response(refusal)
             response.force_close()
-            if _is_body_left(request):
+            if has_body_left(request):
                 drop_rest(request, response)
             return response
         if not reads_body:
@@ -220,7 +214,7 @@ class Gateway:
             return None
         declared = request.content_length
         if declared is not None and declared > self.config.max_body_bytes:
-            return _too_large(self.config.max_body_bytes)
+            return too_large_body(self.config.max_body_bytes)
         return coding_refusal(request.headers)
 
     # -- middlewares ------------------------------------------------------------------------------------
@@ -235,7 +229,7 @@ class Gateway:
             response = error_response(refused.error)
             if refused.close:
                 await answer_and_close(request, response)
-            elif refused.error.status == 413 and _is_body_left(request):
+            elif refused.error.status == 413 and has_body_left(request):
                 # The rest of a body over --max-body-bytes may still be coming: not worth reading (aiohttp
                 # would, for its lingering time). A 413 after the whole body was read (an answer or a
                 # call over its bound) keeps the connection: a client's next request reuses it.
@@ -290,7 +284,7 @@ class Gateway:
         connection closed after the answer, as a 401 does (`drop_rest`)."""
         if (refusal := framing_refusal(request.headers, request.version)) is None:
             response = await handler(request)
-            if _is_body_left(request) and not self._is_drained(request):
+            if has_body_left(request) and not self._is_drained(request):
                 drop_rest(request, response)
             return response
         if self.guard is not None:
@@ -313,7 +307,7 @@ class Gateway:
         if (refusal := self._unauthenticated(request)) is None:
             return await handler(request)
         response = error_response(refusal)
-        if _is_body_left(request):
+        if has_body_left(request):
             drop_rest(request, response)
         return response
 
@@ -443,7 +437,7 @@ class Gateway:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         info = await self._decoder(request)
         limits = BodyLimits.for_chat(info.max_context_tokens, self._max_choices)
-        call = await self._convert(request, chat_request, limits)
+        call = await self.bodies.convert(request, chat_request, limits)
         assert isinstance(call, GenerateCall)
         if info.accepts_encoder_parts:
             images.as_encoder_parts(call)  # the decoder fetches each picture's rows from its encoder
@@ -460,7 +454,7 @@ class Gateway:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         info = await self._decoder(request)
         limits = BodyLimits.for_completions(info.max_context_tokens, self._max_choices)
-        call = await self._convert(request, completion_request, limits)
+        call = await self.bodies.convert(request, completion_request, limits)
         assert isinstance(call, GenerateCall)
         return await self._complete(request, call, "text")
 
@@ -473,7 +467,8 @@ class Gateway:
     async def _embeddings(self, request: web.Request) -> web.StreamResponse:
         metadata = self._metadata(request)
         info = await self.encoder_info.get(metadata)
-        call = await self._convert(request, embed_request, BodyLimits.for_embeddings(info.max_input_tokens))
+        limits = BodyLimits.for_embeddings(info.max_input_tokens)
+        call = await self.bodies.convert(request, embed_request, limits)
         assert isinstance(call, EmbedCall)
         bound = embeddings.answer_bound(call, info)
         embeddings.check_answer_size(call, info, self.config.max_embeddings_bytes)  # before any call
@@ -488,7 +483,7 @@ class Gateway:
             ):
                 raise Refused(too_large)
         if bound >= self.config.large_body_bytes and LARGE_BODY not in request:
-            self._take_large_body(request)  # the replies and the answer are large too
+            self.bodies.take_large_body(request)  # the replies and the answer are large too
 
         async def embed(i: int, embed_request: encoder_pb2.EmbedRequest) -> encoder_pb2.EmbedResponse:
             try:
@@ -501,108 +496,6 @@ class Gateway:
 
         replies = await all_or_cancel([embed(i, c) for i, c in enumerate(call.requests)])
         return await embeddings.write_answer(request, call, replies, call.model or info.model)
-
-    # -- bodies -----------------------------------------------------------------------------------------
-
-    async def _convert(
-        self, request: web.Request, to_call: Convert, limits: BodyLimits
-    ) -> GenerateCall | EmbedCall:
-        """The body, read and converted: in a worker process when it is large (`bodies.py`)."""
-        raw = await self._read(request, limits)
-        if len(raw) < self.config.large_body_bytes:
-            call = convert(to_call, raw, limits)
-        else:
-            call = await self.workers.convert(to_call, raw, limits)
-        if isinstance(call, GenerateCall):
-            request[BODY_NAMES] = call.names
-        return call
-
-    async def _read(self, request: web.Request, limits: BodyLimits) -> bytearray:
-        """The body's bytes: at most --max-body-bytes (413), within --body-timeout-s (408), its JSON
-        values counted as they come (`count_values`: 400 naming the field before the rest is read); a
-        large one holds a place among --max-large-bodies (503 when none is free), and among its
-        caller's --max-large-bodies-per-caller (429), from its first bytes: a head alone, however large
-        the length it declares, holds none (`_take_large_body`).
-
-        Read into one buffer, each chunk copied in as it arrives: holding the chunks and joining them
-        left the heap grown by the body's size after it was freed (glibc keeps a freed heap's middle),
-        where one buffer this large is its own mapping, given back whole."""
-        limit = self.config.max_body_bytes
-        declared = request.content_length
-        if declared is not None and declared > limit:
-            raise Refused(_too_large(limit))
-        if (refusal := coding_refusal(request.headers)) is not None:
-            raise Refused(refusal)
-        is_large = declared is not None and declared >= self.config.large_body_bytes
-        body, num_values = bytearray(), 0
-        # Two bounds on one timer: the next bytes within --body-idle-timeout-s, all of them by the
-        # --body-timeout-s deadline.
-        loop = asyncio.get_running_loop()
-        idle_s, deadline = self.config.body_idle_timeout_s, loop.time() + self.config.body_timeout_s
-
-        def on_coded(num_coded: int) -> None:
-            # A coded body is bounded as sent too, as a declared length is (DecodedBody's NOTE), and each
-            # coded piece is its caller's progress, whatever it decodes to.
-            if num_coded > limit:
-                raise Refused(_too_large(limit))
-            timer.reschedule(min(deadline, loop.time() + idle_s))
-
-        content: DecodedBody | StreamReader = request.content
-        if (coding := coding_of(request.headers)) is not None:
-            content = request[DECODED_BODY] = DecodedBody(request.content, coding, on_coded)
-        try:
-            async with asyncio.timeout_at(min(deadline, loop.time() + idle_s)) as timer:
-                while chunk := await content.readany():
-                    if len(body) + len(chunk) > limit:
-                        raise Refused(_too_large(limit))
-                    if LARGE_BODY not in request and (
-                        is_large or len(body) + len(chunk) >= self.config.large_body_bytes
-                    ):
-                        self._take_large_body(request)
-                    body += chunk
-                    num_values = count_values(body, limits, len(body) - len(chunk), num_values)
-                    timer.reschedule(min(deadline, loop.time() + idle_s))
-                    # A turn for the loop's other callers between pieces: a coded body's next piece is
-                    # decoded from bytes already come, so `readany` gives it without waiting, and 64 KiB
-                    # of gzip held the loop while it decoded to 64 MiB (730-840 ms; 25-69 ms plain).
-                    await asyncio.sleep(0)
-        except TimeoutError:
-            came = f"{len(body)} bytes" + (f" of {declared}" if declared is not None else "") + " came"
-            if loop.time() >= deadline:
-                bound = f"was not whole within {self.config.body_timeout_s:g} s (--body-timeout-s)"
-            else:
-                bound = f"sent nothing for {idle_s:g} s (--body-idle-timeout-s)"
-            message = f"the body {bound}; {came}"
-            raise Refused(HttpError(408, "invalid_request_error", message, "body"), close=True) from None
-        except (RequestPayloadError, HttpProcessingError) as error:  # the caller's bytes, not our bug: a 400
-            # Its reason, never aiohttp's message: a chunk-size or trailer line's failure quoted the
-            # caller's bytes, a token among them (parse_failures.py).
-            encoding = request.headers.get("Content-Encoding")
-            sent = f" (Content-Encoding: {printable(encoding[:32])})" if encoding else ""
-            message = f"the body could not be read as sent{sent}: {body_reason_of(error)}"
-            raise Refused(HttpError(400, "invalid_request_error", message, "body")) from None
-        return body
-
-    def _take_large_body(self, request: web.Request) -> None:
-        """A place among the large bodies for `request`, its caller's.
-
-        NOTE: why a body's place is taken with its first bytes, not with its head. The place bounds the
-        memory of bodies being read, and a head holds none: taken with the head, a caller sending heads
-        alone (each declaring 1 MiB) held every place for --body-idle-timeout-s, at the cost of a few
-        hundred bytes. Its first bytes still come before any memory worth bounding does. A caller that
-        trickles its bodies holds its places until --body-timeout-s, so each caller's places are bounded
-        too (--max-large-bodies-per-caller): what one caller holds, the others still have. No minimum
-        rate (Apache's mod_reqtimeout MinRate): any floor that an honest picture over a slow uplink
-        passes, a trickle passes too, holding its place to --body-timeout-s all the same; only the share
-        keeps it from the others."""
-        request[LARGE_BODY] = self.large_bodies.take(self._caller(request))
-        request[WAS_LARGE] = True
-
-    def _caller(self, request: web.Request) -> str:
-        """Who sends `request`: its checked bearer token, else its address (`callers.caller_of`)."""
-        return caller_of(
-            request.headers.get("Authorization", ""), request.remote, self.config.auth_tokens is not None
-        )
 
     # -- completions --------------------------------------------------------------------------------------
 
@@ -731,6 +624,12 @@ class Gateway:
         """Choices a request may ask: never more than a caller may have streams open."""
         return min(self.config.max_choices, self.config.max_streams_per_caller)
 
+    def _caller(self, request: web.Request) -> str:
+        """Who sends `request`: its checked bearer token, else its address (`callers.caller_of`)."""
+        return caller_of(
+            request.headers.get("Authorization", ""), request.remote, self.config.auth_tokens is not None
+        )
+
     def _metadata(self, request: web.Request) -> tuple[tuple[str, str], ...] | None:
         """The caller's token, passed on when the gateway checks tokens (the services accept the same),
         unless the gateway has a token of its own for them."""
@@ -763,15 +662,3 @@ class Gateway:
         failed one its share of model-info calls, each UNAVAILABLE."""
         async with self.callers.stub(GATEWAY_CALLER) as stub:
             yield stub
-
-
-def _is_body_left(request: web.Request) -> bool:
-    """Whether some of `request`'s body is left unread, by its decoding reader where it has one: its
-    coded bytes may all have come with much of them still to decode."""
-    return is_body_left(request.get(DECODED_BODY, request.content))
-
-
-def _too_large(limit: int) -> HttpError:
-    return HttpError(
-        413, "invalid_request_error", f"the request body is over {limit} bytes (--max-body-bytes)", "body"
-    )
