@@ -18,11 +18,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from tandem.client import telemetry as otel
-from tandem.gateway.app import GATEWAY_CUT, Gateway
+from tandem.gateway.app import Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.encoders import gateway_encoder
+from tandem.gateway.middlewares import GATEWAY_CUT
 
 from .fake_decoder import fake_decoder
 from .live_gateway import live_gateway
