@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import resource
-import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import click
 import pytest
 import torch
 
+from common.tests.ports import free_port
 from tandem import up
 from tandem.client.errors import ConfigError
 from tandem.up import UpConfig
@@ -61,7 +61,7 @@ def test_an_encoder_adapter_that_is_not_there_is_said_by_up_before_anything_star
     started: list[object] = []
     monkeypatch.setattr(up, "run_services", started.append)
     environ({"TANDEM_ENCODER_EMBEDDER": "soft-prompt", "TANDEM_ENCODER_ADAPTER": str(tmp_path / "none")})
-    ports = [str(_free_port()) for _ in range(2)]
+    ports = [str(free_port()) for _ in range(2)]
     argv = ["--model", str(tiny_model_dir), "--encoder-port", ports[0], "--decoder-port", ports[1]]
     assert up.main(argv) == 2
     assert capsys.readouterr().err == (
@@ -123,7 +123,7 @@ def test_a_service_variable_that_does_not_parse_is_said_by_up_before_anything_st
     started: list[object] = []
     monkeypatch.setattr(up, "run_services", started.append)
     environ(variables)
-    ports = [str(_free_port()) for _ in range(2)]
+    ports = [str(free_port()) for _ in range(2)]
     argv = ["--model", str(tiny_model_dir), "--encoder-port", ports[0], "--decoder-port", ports[1]]
     assert up.main(argv) == 2
     assert capsys.readouterr().err == f"tandem up: {said}\n"
@@ -149,7 +149,7 @@ def test_a_gateway_variable_it_refuses_is_said_by_up_before_anything_starts(
     started: list[object] = []
     monkeypatch.setattr(up, "run_services", started.append)
     environ({"TANDEM_OPENAI_MAX_CHOICES": value})
-    ports = [str(_free_port()) for _ in range(3)]
+    ports = [str(free_port()) for _ in range(3)]
     argv = ["--model", str(tiny_model_dir), "--encoder-port", ports[0], "--decoder-port", ports[1]]
     assert up.main([*argv, "--openai-port", ports[2]]) == 2
     assert capsys.readouterr().err == f"tandem up: the OpenAI gateway's {said}\n"
@@ -169,7 +169,7 @@ def test_a_gateway_max_connections_over_the_open_files_limit_is_said_by_up_befor
     started: list[object] = []
     monkeypatch.setattr(up, "run_services", started.append)
     environ({"TANDEM_OPENAI_MAX_CONNECTIONS": str(hard)})  # two descriptors a connection: twice the limit
-    ports = [str(_free_port()) for _ in range(3)]
+    ports = [str(free_port()) for _ in range(3)]
     argv = ["--model", str(tiny_model_dir), "--encoder-port", ports[0], "--decoder-port", ports[1]]
     assert up.main([*argv, "--openai-port", ports[2]]) == 2
     err = capsys.readouterr().err
@@ -198,9 +198,3 @@ def test_a_service_value_from_up_s_own_flag_that_does_not_parse_names_up_s_flag(
     error = click.BadParameter("'x' is not a number of seconds", param=grace)
     line = up._service_usage_error(up.command(), error, "encoder").message
     assert line == "--grace-s (TANDEM_UP_GRACE_S): 'x' is not a number of seconds"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -19,9 +19,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
+from common.tests.ports import free_port
 from tandem.client.client import DecoderClient
 from tandem.common.torch_part import tensors
-from tandem.decoder.distributed.parallel import free_port
 
 
 class DecoderProcess:

@@ -15,7 +15,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,17 +23,12 @@ from pathlib import Path
 
 import pytest
 
+from common.tests.ports import free_port
 from tests.integration.package_index import install
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 NODE_CLIENT = REPO_ROOT / "clients" / "node"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -78,7 +72,7 @@ def code_block(markdown: str, after: str, language: str) -> str:
 
 
 def test_the_readmes_blocks_run_top_to_bottom_in_a_fresh_shell(tmp_path: Path) -> None:
-    ports = Ports(_free_port(), _free_port(), _free_port())
+    ports = Ports(free_port(), free_port(), free_port())
     readme = (REPO_ROOT / "README.md").read_text()
     mixed = code_block(readme, "## A mixed prompt", "sh")
     python = code_block(readme, "## A mixed prompt", "python")
@@ -132,7 +126,7 @@ def test_the_readmes_blocks_run_top_to_bottom_in_a_fresh_shell(tmp_path: Path) -
 @pytest.fixture(scope="module")
 def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ports]:
     """`tandem up` on the default model, on ports of its own, until the module ends."""
-    ports = Ports(_free_port(), _free_port(), _free_port())
+    ports = Ports(free_port(), free_port(), free_port())
     log = tmp_path_factory.mktemp("up") / "up.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "OTEL_"))}
     argv = [

@@ -8,7 +8,6 @@ import json
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.tests.ports import free_port
 from tandem.client.auth import load_tokens
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 from tandem.common.server import TlsOptions
@@ -54,9 +54,7 @@ def node_client() -> Path:
 @pytest.fixture(scope="module")
 def decoder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveDecoder]:
     model_dir = make_model(tmp_path_factory.mktemp("node-model"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     argv = ["--model", str(model_dir), "--port", str(port), "--dtype", "float32", "--num-threads", "1"]
     command = [sys.executable, "-m", "tandem.decoder", *argv]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

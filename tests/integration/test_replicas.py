@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from common.tests.ports import free_port
 from tandem.client.client import DecoderClient
 from tandem.common.server import ServerOptions, Service, start_server
 from tandem.common.torch_part.random_model import make_model
-from tandem.decoder.distributed.parallel import free_port
 
 PROMPT = [[1, 2, 3, 4]]
 

@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from common.tests.ports import free_port
 from tandem import cli
 from tandem.client.auth import load_tokens
 from tandem.client.client import ChannelSecurity, DecoderClient, EncoderClient
@@ -355,17 +355,11 @@ def test_security_settings_are_validated_and_tokens_never_printed(
         assert argv[argv.index("--auth-token-file") + 1] == str(token_file)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_both_services_take_tls_and_tokens_from_flags_and_environment(
     tiny_model_dir: Path, pki: Pki, token_file: Path
 ) -> None:
     """The encoder configured by TANDEM_ENCODER_* variables, the decoder by TANDEM_* and flags."""
-    ports = {"encoder": _free_port(), "decoder": _free_port()}
+    ports = {"encoder": free_port(), "decoder": free_port()}
     base = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     encoder_env = {
         **base,
@@ -453,7 +447,7 @@ def test_a_key_that_is_not_the_certificates_is_one_line_naming_the_flag(
     assert decoder_main(["--model", str(tiny_model_dir), "--port", "0", *mismatched]) == 2
     said = f"{pki.rogue_server_key} is not the private key of {pki.server_cert} (KEY_VALUES_MISMATCH)"
     assert capsys.readouterr().err == f"tandem serve decoder: --tls-key (TANDEM_TLS_KEY): {said}\n"
-    ports = ["--encoder-port", str(_free_port()), "--decoder-port", str(_free_port())]
+    ports = ["--encoder-port", str(free_port()), "--decoder-port", str(free_port())]
     assert cli.main(["up", "--model", str(tiny_model_dir), *ports, *mismatched]) == 2
     assert capsys.readouterr().err == f"tandem up: --tls-key (TANDEM_UP_TLS_KEY): {said}\n"
 

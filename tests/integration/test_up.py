@@ -17,6 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.tests.ports import free_port
 from services.decoder.tests.conftest import _build_checkpoint
 from tandem import cli
 from tandem.client.errors import ConfigError
@@ -35,12 +36,6 @@ UP = [sys.executable, "-m", "tandem.cli", "up", "--dtype", "float32", "--grace-s
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("up-model"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_up(
@@ -169,7 +164,7 @@ def test_serve_command_passes_int4_to_both_services_and_its_group_size_to_the_de
 
 
 def test_services_stop_when_up_is_killed_outright(model_dir: Path, tmp_path: Path) -> None:
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     args = ["--model", str(model_dir), "--encoder-port", str(ports[0]), "--decoder-port", str(ports[1])]
     up = _start_up(args, tmp_path / "up.log")
     try:
@@ -184,7 +179,7 @@ def test_services_stop_when_up_is_killed_outright(model_dir: Path, tmp_path: Pat
 
 
 def test_up_serves_both_on_the_default_model_until_sigterm_then_exits_zero(tmp_path: Path) -> None:
-    encoder_port, decoder_port = _free_port(), _free_port()
+    encoder_port, decoder_port = free_port(), free_port()
     log = tmp_path / "up.log"
     # A fresh HOME: `up` imports the default model's GGUF file there first, once for both services.
     # The services' own variables for what `up` decides are not theirs to read under `up`
@@ -232,7 +227,7 @@ def test_up_serves_both_on_the_default_model_until_sigterm_then_exits_zero(tmp_p
 def test_up_exits_nonzero_and_stops_the_encoder_when_the_decoder_dies(
     tmp_path: Path, model_dir: Path
 ) -> None:
-    encoder_port, decoder_port = _free_port(), _free_port()
+    encoder_port, decoder_port = free_port(), free_port()
     log = tmp_path / "up.log"
     up = _start_up(
         ["--model", str(model_dir), "--encoder-port", str(encoder_port), "--decoder-port", str(decoder_port)],
@@ -255,11 +250,11 @@ def test_up_exits_nonzero_and_stops_the_encoder_when_the_decoder_dies(
 def test_ctrl_c_during_a_stream_ends_it_aborted_at_the_grace_with_its_span_and_no_traceback(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     log = tmp_path / "up.log"
     args = ["--model", str(model_dir), "--encoder-port", str(ports[0]), "--decoder-port", str(ports[1])]
     # One grace for everything: the services and the gateway get up's, not their own default (30 s).
-    args += ["--openai-port", str(_free_port())]
+    args += ["--openai-port", str(free_port())]
     up = _start_up([*args, "--grace-s", "2"], log, env={"OTEL_TRACES_EXPORTER": "console"})
     try:
         _wait_for_line(up, log, "[up] ready")  # the gateway's /health too
@@ -307,7 +302,7 @@ def test_a_port_in_use_is_one_line_and_exit_2_before_any_service_starts(
             "--model",
             str(model_dir),
             "--encoder-port",
-            str(_free_port()),
+            str(free_port()),
             "--decoder-port",
             str(busy),
         ]
@@ -323,7 +318,7 @@ def test_a_world_size_the_model_cannot_shard_is_one_line_about_ups_own_flag_befo
     model_dir: Path, environ, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # It used to start both services, then relay the decoder's 10 lines naming TANDEM_WORLD_SIZE, exit 1.
-    ports = ["--encoder-port", str(_free_port()), "--decoder-port", str(_free_port())]
+    ports = ["--encoder-port", str(free_port()), "--decoder-port", str(free_port())]
     assert cli.main(["up", "--model", str(model_dir), *ports, "--world-size", "3"]) == 2
     assert capsys.readouterr() == (
         "",
@@ -375,7 +370,7 @@ def test_a_window_narrower_than_the_context_is_one_line_naming_the_decoders_flag
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps(config | {"sliding_window": 64}))  # of 512 positions
     capsys.readouterr()  # transformers' output while it saved
-    ports = ["--encoder-port", str(_free_port()), "--decoder-port", str(_free_port())]
+    ports = ["--encoder-port", str(free_port()), "--decoder-port", str(free_port())]
     assert cli.main(["up", "--model", str(model_dir), *ports]) == 2
     assert capsys.readouterr() == (
         "",

@@ -17,11 +17,11 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
+from common.tests.ports import free_port
 from services.decoder.tests.engine.engine_helpers import run_concurrently
 from tandem.client.client import DecoderClient, Segment
 from tandem.common.torch_part import tensors
 from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, PromptPart, TextPrompt
-from tandem.decoder.distributed.parallel import free_port
 from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.engine.front.engine import Engine

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
+from common.tests.ports import free_port
 from common.tests.signalled_process import signal_after_line
 from common.tests.sparse_checkpoint import write_sparse_table
 from services.encoder.tests.helpers import write_prompt_adapter, write_random_projector
@@ -40,12 +40,6 @@ NUM_CALLS = 32
 # machine. The process used to run its batches to their end first: it exited 16.3 s after the signal
 # with these 32 images (43 s in the adversarial pass's larger case).
 MAX_EXIT_AFTER_GRACE_S = 6.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _thin_png() -> bytes:
@@ -73,7 +67,7 @@ async def _wait_serving(channel: grpc.aio.Channel, process: subprocess.Popen) ->
 async def test_sigterm_during_a_long_image_batch_ends_every_call_and_the_process_within_the_grace_period(
     tiny_llava: Path,
 ) -> None:
-    port = _free_port()
+    port = free_port()
     command = [
         *(sys.executable, "-m", "tandem.encoder", "--model", str(tiny_llava), "--dtype", "float32"),
         *("--port", str(port), "--grace-s", str(GRACE_S)),
@@ -152,7 +146,7 @@ def test_a_signal_while_the_embedder_loads_ends_the_process_at_once(
     model_dir = _slow_checkpoint(tiny_model, tmp_path / "slow")
     command = [
         *(sys.executable, "-m", "tandem.encoder", "--model", str(model_dir), "--quantization", "int8"),
-        *("--port", str(_free_port()), "--grace-s", "30"),
+        *("--port", str(free_port()), "--grace-s", "30"),
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_ENCODER_")}
     env["OMP_NUM_THREADS"] = "1"

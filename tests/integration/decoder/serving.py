@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,13 +16,6 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from tandem.client.client import DecoderClient
-
-
-def free_port() -> int:
-    """A port on 127.0.0.1 nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -26,6 +26,7 @@ import torch
 from grpc_health.v1 import health_pb2
 from safetensors.torch import load_file, save_file
 
+from common.tests.ports import free_port
 from common.tests.signalled_process import Exited, signal_after_line
 from common.tests.sparse_checkpoint import write_sparse_table
 from tandem.client.client import DecoderClient
@@ -35,7 +36,7 @@ from tandem.common.torch_part.model_identity import read_table_sample, read_weig
 from tandem.common.weight_sample import weight_sample_from_pb
 from tandem.decoder.api import main as decoder_main
 from tandem.decoder.api.main import main
-from tests.integration.decoder.serving import free_port, until_serving
+from tests.integration.decoder.serving import until_serving
 
 
 async def test_sigterm_drains_in_flight_streams_then_exits_zero(tiny_model_dir: Path) -> None:

@@ -13,13 +13,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.tests.ports import free_port
 from services.decoder.tests.conftest import _build_checkpoint
 from services.decoder.tests.models.helpers import hf_greedy
 from tandem.client.client import DecoderClient
 from tandem.common.torch_part.random_model import train_tokenizer
 from tandem.decoder.api import main as decoder_main
 from tandem.decoder.api.main import main
-from tests.integration.decoder.serving import free_port, until_serving
+from tests.integration.decoder.serving import until_serving
 
 PROMPT = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12, 1000, 3, 88]
 NUM_NEW = 24

@@ -12,8 +12,9 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from common.tests.common.gguf_files import sentencepiece_fields, small_model, write_gguf
+from common.tests.ports import free_port
 from tandem.client.client import DecoderClient
-from tests.integration.decoder.serving import decoder_process, free_port, until_serving
+from tests.integration.decoder.serving import decoder_process, until_serving
 
 # Llama 2's template, shortened: BOS as a literal, [INST] as plain text, EOS after each answer.
 TEMPLATE = (

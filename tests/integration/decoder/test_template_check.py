@@ -14,10 +14,11 @@ import pytest
 from tokenizers import Tokenizer
 
 from common.tests.common.gguf_files import small_model, write_gguf
+from common.tests.ports import free_port
 from tandem.client.client import DecoderClient
 from tandem.decoder.api import main as decoder_main
 from tandem.decoder.api.main import main
-from tests.integration.decoder.serving import decoder_process, free_port, until_serving
+from tests.integration.decoder.serving import decoder_process, until_serving
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

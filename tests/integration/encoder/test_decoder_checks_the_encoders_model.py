@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,6 +20,7 @@ import grpc
 import pytest
 import torch
 
+from common.tests.ports import free_port
 from tandem.client.client import EncoderPart
 from tandem.client.errors import FailedPrecondition
 from tandem.client.pb.tandem.v1 import encoder_pb2
@@ -72,12 +72,6 @@ def _parts(address: str, model_dir: Path) -> EncoderParts:
     return EncoderParts(address, torch.float32, MAX_MESSAGE_BYTES, 0, model_dir=model_dir, model_name="tiny")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _shape(encoder: Encoder) -> tuple[int, int]:
     info = await encoder.stub.GetModelInfo(encoder_pb2.EncoderGetModelInfoRequest())
     return info.vocab_size, info.hidden_size
@@ -115,7 +109,7 @@ async def test_an_encoder_of_another_model_of_the_same_shape_is_refused_naming_b
 async def test_an_encoder_absent_at_start_is_checked_at_its_first_part_and_every_part_refused(
     tiny_model: Path, other_model: Path, tiny_fp32: LoadedModel
 ) -> None:
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     parts = _parts(address, tiny_model)
     assert await parts.check_model(0.5) == (
@@ -182,7 +176,7 @@ async def _decoder_process(model_dir: Path, encoder_address: str) -> asyncio.sub
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     return await asyncio.create_subprocess_exec(
         *(sys.executable, "-m", "tandem.decoder", "--model", str(model_dir), "--dtype", "float32"),
-        *("--port", str(_free_port()), "--encoder", encoder_address, "--num-kv-blocks", "64"),
+        *("--port", str(free_port()), "--encoder", encoder_address, "--num-kv-blocks", "64"),
         env=env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,

@@ -3,7 +3,6 @@
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,18 +11,13 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.tests.ports import free_port
 from services.encoder.tests.vision_checkpoints import make_llava
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 STARTUP_TIMEOUT_S = 30.0
 EXIT_TIMEOUT_S = 15.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_serving(channel: grpc.Channel, process: subprocess.Popen) -> None:
@@ -43,7 +37,7 @@ def _wait_serving(channel: grpc.Channel, process: subprocess.Popen) -> None:
 
 def _serve_embed_and_stop(model_dir: Path) -> str:
     """`python -m tandem.encoder --model model_dir` until SERVING, one Embed, SIGTERM; its output."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "tandem.encoder", "--model", str(model_dir), "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_ENCODER_")}
     process = subprocess.Popen(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.tests.ports import free_port
 from tandem.decoder.models.loader import LoadedModel
 from tandem.encoder.lookup import LookupEmbedder
 from tandem.gateway.__main__ import serve as serve_gateway
@@ -109,12 +109,6 @@ def _rss_kb(pid: int) -> int:
     except FileNotFoundError:  # a worker that just exited
         return 0
     return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.asynccontextmanager

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
+from common.tests.ports import free_port
 from tandem.client.client import DecoderClient, EncoderClient
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
@@ -36,12 +36,6 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 STARTUP_TIMEOUT_S = 60.0
 DECODER_GRACE_S = 2.0
 LONG_STREAM_TOKENS = 240  # the harness decoder's context is 256
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _clean_env() -> dict[str, str]:
@@ -201,7 +195,7 @@ def _kill(process: subprocess.Popen) -> None:
 async def _encoder_kill_and_restart(
     services: Services, model_dir: Path, log: Path, processes: list[subprocess.Popen]
 ) -> Counter[str]:
-    port = _free_port()
+    port = free_port()
     outcomes: Counter[str] = Counter()
     stop = asyncio.Event()
     async with (
@@ -323,7 +317,7 @@ async def _sigterm_under_load(process: subprocess.Popen, address: str) -> tuple[
 def test_sigterm_to_the_decoder_under_load_ends_every_stream_with_its_finished_event(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "decoder.log"
     with log.open("w") as out:
         process = subprocess.Popen(
