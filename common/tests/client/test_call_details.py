@@ -22,31 +22,43 @@ SERVICE = "tandem.v1.Decoder"
 RETRIED_METHODS = ("Tokenize", "Generate")
 
 
+Requests = Callable[[], AsyncIterator[bytes]]  # a streamed call's requests, made for each call
+
+
 async def _requests() -> AsyncIterator[bytes]:
     yield b"first"
     yield b"second"
 
 
-async def _unary_unary(channel: grpc.aio.Channel, method: str) -> list[bytes]:
+async def _one_request() -> AsyncIterator[bytes]:
+    """The first request (it carries the headers: gRPC sends none before it), then nothing until the call
+    ends. For a call the server refuses at once: a request written as the refusal lands makes grpc.aio
+    report INTERNAL ('Failed "execute_batch"') in place of the server's status (grpc/grpc#36066, open;
+    1 in 6 runs here), a race of gRPC's, not of the interceptors."""
+    yield b"first"
+    await asyncio.Event().wait()
+
+
+async def _unary_unary(channel: grpc.aio.Channel, method: str, _: Requests) -> list[bytes]:
     return [await channel.unary_unary(method)(b"request", timeout=10)]
 
 
-async def _unary_stream(channel: grpc.aio.Channel, method: str) -> list[bytes]:
+async def _unary_stream(channel: grpc.aio.Channel, method: str, _: Requests) -> list[bytes]:
     return [reply async for reply in channel.unary_stream(method)(b"request", timeout=10)]
 
 
-async def _stream_unary(channel: grpc.aio.Channel, method: str) -> list[bytes]:
-    return [await channel.stream_unary(method)(_requests(), timeout=10)]
+async def _stream_unary(channel: grpc.aio.Channel, method: str, requests: Requests) -> list[bytes]:
+    return [await channel.stream_unary(method)(requests(), timeout=10)]
 
 
-async def _stream_stream(channel: grpc.aio.Channel, method: str) -> list[bytes]:
-    return [reply async for reply in channel.stream_stream(method)(_requests(), timeout=10)]
+async def _stream_stream(channel: grpc.aio.Channel, method: str, requests: Requests) -> list[bytes]:
+    return [reply async for reply in channel.stream_stream(method)(requests(), timeout=10)]
 
 
 @dataclass(frozen=True)
 class CallKind:
     method: str  # a method of SERVICE: ours, or made up where no RPC of ours is of this kind
-    call: Callable[[grpc.aio.Channel, str], Awaitable[list[bytes]]]  # one call of this kind; its replies
+    call: Callable[[grpc.aio.Channel, str, Requests], Awaitable[list[bytes]]]  # one call; its replies
 
 
 CALL_KINDS = {
@@ -126,14 +138,14 @@ async def test_the_token_goes_with_every_call_of_every_kind_and_every_retry(
     try:
         channel = open_channel(address, service=SERVICE, security=ChannelSecurity(token=TOKEN))
         try:
-            assert await kind.call(channel, method) == [b"served"]
+            assert await kind.call(channel, method, _requests) == [b"served"]
         finally:
             await channel.close()
         assert recorder.headers[kind.method] == [f"Bearer {TOKEN}"] * num_attempts
         channel = open_channel(address, service=SERVICE, security=PLAINTEXT)
         try:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await kind.call(channel, method)
+                await kind.call(channel, method, _one_request)
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         finally:
             await channel.close()
