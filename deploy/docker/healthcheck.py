@@ -54,7 +54,15 @@ def _channel(port: str) -> grpc.Channel:
     ca = _pem("TANDEM_HEALTH_TLS_CA")
     if ca is None:
         return grpc.insecure_channel(address)
-    tls = grpc.ssl_channel_credentials(ca, _pem("TANDEM_HEALTH_TLS_KEY"), _pem("TANDEM_HEALTH_TLS_CERT"))
+    key, cert = _pem("TANDEM_HEALTH_TLS_KEY"), _pem("TANDEM_HEALTH_TLS_CERT")
+    if (key is None) != (cert is None):
+        # gRPC's C++ core aborts the process on half a pair (SIGABRT: a core dump every interval).
+        given, missing = ("KEY", "CERT") if cert is None else ("CERT", "KEY")
+        raise BadFile(
+            f"TANDEM_HEALTH_TLS_{missing}: unset, as TANDEM_HEALTH_TLS_{given} is set: a client "
+            "certificate and its key go together (mutual TLS)"
+        )
+    tls = grpc.ssl_channel_credentials(ca, key, cert)
     return grpc.secure_channel(address, tls, options=[("grpc.ssl_target_name_override", "localhost")])
 
 

@@ -305,6 +305,30 @@ def test_a_health_tls_file_it_cannot_use_is_one_line_naming_its_variable_and_unh
     assert (check.returncode, check.stdout, check.stderr) == (1, "", f"healthcheck: {variable}: {said}\n")
 
 
+@pytest.mark.parametrize(("given", "missing"), [("CERT", "KEY"), ("KEY", "CERT")])
+def test_half_a_health_client_pair_is_one_line_naming_the_missing_variable(
+    tmp_path: Path, given: str, missing: str
+) -> None:
+    """gRPC takes a client certificate and its key together: handed one, its C++ core aborted the check
+    (SIGABRT, exit 134: 'Check failed: private_key != nullptr'), a core dump every interval."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")  # read, not parsed: the pair is refused first
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # `python` is this venv's
+        "TANDEM_HEALTH_PORTS": "1",  # never asked
+        "TANDEM_HEALTH_TLS_CA": str(ca),
+        f"TANDEM_HEALTH_TLS_{given}": str(ca),
+    }
+    env.pop(f"TANDEM_HEALTH_TLS_{missing}", None)
+    check = subprocess.run(
+        ["sh", "-c", dockerfile_healthcheck_command()], env=env, capture_output=True, text=True, timeout=30
+    )
+    said = f"healthcheck: TANDEM_HEALTH_TLS_{missing}: unset, as TANDEM_HEALTH_TLS_{given} is set: a client "
+    said += "certificate and its key go together (mutual TLS)\n"
+    assert (check.returncode, check.stdout, check.stderr) == (1, "", said)
+
+
 def _cap_address_space() -> None:
     """2 GiB of address space: the check needs a small part (grpc's import, a 1 MiB read)."""
     resource.setrlimit(resource.RLIMIT_AS, (2**31, 2**31))
