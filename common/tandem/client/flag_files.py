@@ -180,16 +180,27 @@ def _unnamed_files(*contents: bytes) -> Iterator[list[str]]:
     could find them replaced. In memory where the system has memfd (Linux); elsewhere in a private
     temporary folder (0700), removed once checked."""
     with contextlib.ExitStack() as stack:
-        paths = []
-        if hasattr(os, "memfd_create"):
-            for data in contents:
-                memory = stack.enter_context(os.fdopen(os.memfd_create("tandem-pem", os.MFD_CLOEXEC), "wb"))
-                memory.write(data)
-                memory.flush()
-                paths.append(f"/proc/self/fd/{memory.fileno()}")  # a fresh open, at offset 0
-        else:
+        paths = _in_memory(stack, contents) if hasattr(os, "memfd_create") else None
+        if paths is None:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tandem-pem-")))
+            paths = []
             for number, data in enumerate(contents):
                 (folder / f"{number}.pem").write_bytes(data)
                 paths.append(str(folder / f"{number}.pem"))
         yield paths
+
+
+def _in_memory(stack: contextlib.ExitStack, contents: tuple[bytes, ...]) -> list[str] | None:
+    """A memfd's path for each of `contents`, closed with `stack`; None where memfd_create is refused
+    (a seccomp filter's EPERM: a PermissionError out of read_tls_files, which none of its callers
+    catch)."""
+    paths = []
+    for data in contents:
+        try:
+            memory = stack.enter_context(os.fdopen(os.memfd_create("tandem-pem", os.MFD_CLOEXEC), "wb"))
+        except OSError:
+            return None
+        memory.write(data)
+        memory.flush()
+        paths.append(f"/proc/self/fd/{memory.fileno()}")  # a fresh open, at offset 0
+    return paths

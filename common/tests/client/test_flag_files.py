@@ -4,6 +4,7 @@ with it."""
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -190,6 +191,38 @@ def test_the_key_is_checked_in_a_private_folder_removed_after_where_there_is_no_
     with pytest.raises(TlsFileError, match=r"is not the private key of .* \(KEY_VALUES_MISMATCH\)$"):
         read_tls_files(chain, other_key, None)
     assert list(scratch.iterdir()) == []
+
+
+def test_the_key_is_checked_in_a_private_folder_where_memfd_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seccomp filter may refuse memfd_create (EPERM) where os has it: the check was then a
+    PermissionError traceback, and a TLS server could not start."""
+
+    def refused(name: str, flags: int = 0) -> int:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "memfd_create", refused)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    chain, key = self_signed(tmp_path, "server")
+    _, other_key = self_signed(tmp_path, "other")
+    assert read_tls_files(chain, key, None).private_key == key.read_bytes()
+    with pytest.raises(TlsFileError, match=r"is not the private key of .* \(KEY_VALUES_MISMATCH\)$"):
+        read_tls_files(chain, other_key, None)
+    assert list(scratch.iterdir()) == []
+
+
+def test_a_thousand_key_checks_leave_no_file_descriptor_open(tmp_path: Path) -> None:
+    chain, key = self_signed(tmp_path, "server")
+    _, other_key = self_signed(tmp_path, "other")
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(500):
+        read_tls_files(chain, key, chain)
+        with pytest.raises(TlsFileError):
+            read_tls_files(chain, other_key, None)
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 @pytest.mark.parametrize("file", list(TlsFile))
