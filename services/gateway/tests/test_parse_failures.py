@@ -106,7 +106,7 @@ def test_a_line_over_its_bound_is_not_said_to_be_a_head_line_only() -> None:
 
 FIRST_CHUNK = b'5\r\n{"a":\r\n'
 # Chunked bodies whose framing fails on SECRET after a first chunk (r1's body_leak_split.py): the
-# handler is reading the body when it fails, and the 400 is the gateway's (`Gateway._read`).
+# handler is reading the body when it fails, and the 400 is the gateway's (`BodyIntake._read`).
 BODY_REFUSED = {
     "a chunk size that is not hex": SECRET + b"\r\n",
     "a chunk-size line past the bound": SECRET + b"f" * 9000 + b"\r\n",

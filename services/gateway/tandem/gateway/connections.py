@@ -8,7 +8,7 @@ closed as soon as it is accepted, and one whose first request head has not arriv
 `header_timeout_s` is closed. After a response, aiohttp's own keep-alive timeout (the gateway's
 `idle_timeout_s`) closes a connection that stays idle, or trickles its next head, that long; a body
 that stalls for `body_idle_timeout_s`, or is not whole within `body_timeout_s`, is the handler's 408,
-its connection closed with the answer (app.py).
+its connection closed with the answer (body_intake.py).
 
 NOTE: a caller that stops reading its answer. Writing waits on the socket's back-pressure alone
 (aiohttp's writer awaits the transport's drain), and a peer that keeps its connection open but reads
@@ -366,7 +366,7 @@ class _BodyFailures:
     protocol queues a 400 to answer after the request being handled, whose handler waited for more of
     its body until --body-idle-timeout-s and answered 408 (1.5 s there), the 400 never sent. Its pure
     Python parser gives the failure to the body too; so does this, the handler answering 400 at once
-    (app.py). aiohttp keeps its parser in a private attribute: the one private name the gateway uses."""
+    (body_intake.py). aiohttp keeps its parser in a private attribute: the one private name the gateway uses."""
 
     def __init__(self, parser: Any) -> None:
         self._parser = parser
