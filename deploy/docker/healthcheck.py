@@ -74,7 +74,12 @@ def main() -> int:
             print(f"healthcheck: {error}", file=sys.stderr)
             return 1  # HEALTHCHECK's unhealthy, its line kept in `docker inspect`
         with channel:
-            answer = HealthStub(channel).Check(HealthCheckRequest(), timeout=3)
+            try:
+                answer = HealthStub(channel).Check(HealthCheckRequest(), timeout=3)
+            except grpc.RpcError as error:  # nothing listens yet, TLS refused, ...: one line, not 18
+                said = f"{error.code().name}: {error.details()}"
+                print(f"healthcheck: 127.0.0.1:{port}: {said}", file=sys.stderr)
+                return 1
         if answer.status != HealthCheckResponse.SERVING:
             return 1
     return 0

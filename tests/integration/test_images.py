@@ -329,6 +329,22 @@ def test_half_a_health_client_pair_is_one_line_naming_the_missing_variable(
     assert (check.returncode, check.stdout, check.stderr) == (1, "", said)
 
 
+def test_a_port_that_does_not_answer_is_one_line_naming_it_and_unhealthy() -> None:
+    """Docker keeps the check's output in `docker inspect`: a service still loading its model (nothing
+    listens yet) was an 18-line grpc.RpcError traceback there, every interval."""
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # `python` is this venv's
+        "TANDEM_HEALTH_PORTS": "1",  # tcpmux's port: nothing listens on it here
+    }
+    check = subprocess.run(
+        ["sh", "-c", dockerfile_healthcheck_command()], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert (check.returncode, check.stdout) == (1, "")
+    assert check.stderr.startswith("healthcheck: 127.0.0.1:1: UNAVAILABLE: ")
+    assert check.stderr.count("\n") == 1 and check.stderr.endswith("\n"), check.stderr
+
+
 def _cap_address_space() -> None:
     """2 GiB of address space: the check needs a small part (grpc's import, a 1 MiB read)."""
     resource.setrlimit(resource.RLIMIT_AS, (2**31, 2**31))
