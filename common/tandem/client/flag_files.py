@@ -31,8 +31,9 @@ MAX_PEM_FILE_BYTES = 1024 * 1024
 # The lines a certificate is armoured between, as PEM writes it.
 _BEGIN_CERTIFICATE, _END_CERTIFICATE = b"-----BEGIN CERTIFICATE-----", b"-----END CERTIFICATE-----"
 # A private key's first line: PKCS#8 ("PRIVATE KEY", "ENCRYPTED PRIVATE KEY") or OpenSSL's older
-# per-algorithm ones ("RSA PRIVATE KEY", "EC PRIVATE KEY").
-_PEM_PRIVATE_KEY = re.compile(rb"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----")
+# per-algorithm ones ("RSA PRIVATE KEY", "EC PRIVATE KEY"). Not ssh-keygen's "OPENSSH PRIVATE KEY",
+# which neither OpenSSL nor gRPC reads: let through, it was blamed on the pair ("not the private key of").
+_PEM_PRIVATE_KEY = re.compile(rb"-----BEGIN (?!OPENSSH )(?:[A-Z0-9]+ )*PRIVATE KEY-----")
 
 
 def read_bounded(path: Path, max_bytes: int, what: str) -> bytes:

@@ -10,7 +10,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from cryptography.hazmat.primitives.serialization import BestAvailableEncryption
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from cryptography.hazmat.primitives.serialization import (
+    BestAvailableEncryption,
+    Encoding,
+    NoEncryption,
+    PrivateFormat,
+)
 
 from common.tests.client.pem_files import self_signed
 from tandem.client.flag_files import (
@@ -153,6 +159,21 @@ def test_a_key_file_that_holds_no_private_key_is_refused_naming_it(tmp_path: Pat
     chain, _ = self_signed(tmp_path, "server")
     with pytest.raises(TlsFileError, match=r"/server.pem is not a PEM private key$") as refused:
         read_tls_files(chain, chain, None)
+    assert refused.value.file is TlsFile.PRIVATE_KEY
+
+
+def test_an_openssh_key_is_not_a_pem_private_key(tmp_path: Path) -> None:
+    """ssh-keygen's own format (~/.ssh/id_ed25519) has PEM's armour, but neither OpenSSL nor gRPC reads
+    it: it was refused as "not the private key of" the certificate, with no reason, as if the pair were
+    wrong."""
+    chain, _ = self_signed(tmp_path, "server")
+    key = tmp_path / "id_ed25519"
+    openssh = ed25519.Ed25519PrivateKey.generate().private_bytes(
+        Encoding.PEM, PrivateFormat.OpenSSH, NoEncryption()
+    )
+    key.write_bytes(openssh)
+    with pytest.raises(TlsFileError, match=r"/id_ed25519 is not a PEM private key$") as refused:
+        read_tls_files(chain, key, None)
     assert refused.value.file is TlsFile.PRIVATE_KEY
 
 
