@@ -3,7 +3,8 @@ answers grpc.health.v1 with SERVING, 1 otherwise.
 
 Only grpc is imported (the check runs every 10 s beside the service). Health needs no bearer token;
 with TLS, TANDEM_HEALTH_TLS_CA names the CA to trust (the certificate must name localhost), and with
-mutual TLS TANDEM_HEALTH_TLS_CERT / TANDEM_HEALTH_TLS_KEY a client certificate. Each is read as the
+mutual TLS TANDEM_HEALTH_TLS_CERT / TANDEM_HEALTH_TLS_KEY a client certificate (both, and the CA
+beside them: else one line naming the variable missing, exit 1). Each is read as the
 services read their PEM flags (tandem.client.flag_files, not importable here): a regular file of at
 most 1 MiB, else one line naming the variable and exit 1. Read whole, /dev/zero grew the check
 without bound, and a missing file was a traceback.
@@ -53,6 +54,12 @@ def _channel(port: str) -> grpc.Channel:
     address = f"127.0.0.1:{port}"
     ca = _pem("TANDEM_HEALTH_TLS_CA")
     if ca is None:
+        for given in ("CERT", "KEY"):  # else plaintext, the client certificate silently unread
+            if os.environ.get(f"TANDEM_HEALTH_TLS_{given}"):
+                raise BadFile(
+                    f"TANDEM_HEALTH_TLS_CA: unset, as TANDEM_HEALTH_TLS_{given} is set: mutual TLS is TLS "
+                    "first, its CA the one the services' certificate is checked against"
+                )
         return grpc.insecure_channel(address)
     key, cert = _pem("TANDEM_HEALTH_TLS_KEY"), _pem("TANDEM_HEALTH_TLS_CERT")
     if (key is None) != (cert is None):

@@ -329,6 +329,25 @@ def test_half_a_health_client_pair_is_one_line_naming_the_missing_variable(
     assert (check.returncode, check.stdout, check.stderr) == (1, "", said)
 
 
+@pytest.mark.parametrize("given", ["CERT", "KEY"])
+def test_a_health_client_pair_without_its_ca_is_one_line_naming_the_ca(given: str) -> None:
+    """Without TANDEM_HEALTH_TLS_CA the check spoke plaintext, the client certificate set beside it
+    unread: a TLS service then failed it with no word of why."""
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # `python` is this venv's
+        "TANDEM_HEALTH_PORTS": "1",  # never asked
+        f"TANDEM_HEALTH_TLS_{given}": "/never/read.pem",
+    }
+    env.pop("TANDEM_HEALTH_TLS_CA", None)
+    check = subprocess.run(
+        ["sh", "-c", dockerfile_healthcheck_command()], env=env, capture_output=True, text=True, timeout=30
+    )
+    said = f"healthcheck: TANDEM_HEALTH_TLS_CA: unset, as TANDEM_HEALTH_TLS_{given} is set: mutual TLS "
+    said += "is TLS first, its CA the one the services' certificate is checked against\n"
+    assert (check.returncode, check.stdout, check.stderr) == (1, "", said)
+
+
 def test_a_port_that_does_not_answer_is_one_line_naming_it_and_unhealthy() -> None:
     """Docker keeps the check's output in `docker inspect`: a service still loading its model (nothing
     listens yet) was an 18-line grpc.RpcError traceback there, every interval."""
