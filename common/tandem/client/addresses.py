@@ -13,6 +13,7 @@ import re
 import socket
 import urllib.parse
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 def channel_target(address: str | Sequence[str]) -> tuple[str, bool]:
@@ -26,7 +27,7 @@ def channel_target(address: str | Sequence[str]) -> tuple[str, bool]:
     if not addresses or not all(addresses):
         raise ValueError(f"address {address!r}: expected host:port, several separated by commas, or dns:///")
     if len(addresses) == 1:
-        if addresses[0].startswith("dns:"):
+        if dns_name(addresses[0]) is not None:  # checked as the gateway checks it: gRPC wraps its port too
             return addresses[0], True
         scheme = next((s for s in _GRPC_SCHEMES if addresses[0].startswith(s)), None)
         if scheme is None:
@@ -57,12 +58,12 @@ def server_of(address: str | Sequence[str]) -> tuple[str, int | None] | None:
         return (path[2:] if path.startswith("///") else path), None
     if target.startswith("unix-abstract:"):
         return target.removeprefix("unix-abstract:"), None
-    if target.startswith("dns:"):  # dns:name:port, dns:///name:port, dns://resolver/name:port
-        target = target.removeprefix("dns:")
-        if target.startswith("//"):
-            target = target[2:].partition("/")[2]
-        if not target.rpartition("]")[2].count(":"):  # no port: gRPC's resolver gives the name's 443
-            target += f":{DNS_DEFAULT_PORT}"
+    try:
+        name = dns_name(target)
+    except ValueError:
+        return None
+    if name is not None:
+        target = name.host_port
     elif target.startswith("ipv6:"):  # a URI: a zone's "%" is written %25 (fe80::1%25eth0)
         target = urllib.parse.unquote(target.removeprefix("ipv6:"))
     else:
@@ -71,6 +72,57 @@ def server_of(address: str | Sequence[str]) -> tuple[str, int | None] | None:
         return _host_port(target)
     except ValueError:
         return None
+
+
+@dataclass(frozen=True)
+class DnsName:
+    """A `dns:` target as gRPC's resolver reads it: the name it resolves, and which DNS server asks."""
+
+    host: str  # a host name or an IP address as written; an IPv6 one in brackets ("[::1]")
+    port: int  # as written, else DNS_DEFAULT_PORT
+    resolver: str  # the DNS server named (dns://8.8.8.8/name:port); "" for the system's resolver
+
+    @property
+    def host_port(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def dns_name(address: str) -> DnsName | None:
+    """The name a `dns:` target resolves, in each form gRPC reads: dns:host:port, dns:/host:port,
+    dns:///host:port, dns://resolver/host:port; the port DNS_DEFAULT_PORT where none is written, an IPv6
+    address with or without brackets (then without a port). None for another address. Raises ValueError
+    for a host that is no name or IP address, or a port outside 1..65535 (gRPC wraps it, mod 65536)."""
+    if not address.startswith("dns:"):
+        return None
+    rest, resolver = address.removeprefix("dns:"), ""
+    if rest.startswith("//"):  # a URI's authority, then its path
+        resolver, _, rest = rest[2:].partition("/")
+    else:
+        rest = rest.removeprefix("/")  # gRPC's resolver takes the path without its leading "/"
+    if rest.startswith("["):
+        host, bracket, after = rest.partition("]")
+        if not bracket or (after and not after.startswith(":")):
+            raise ValueError(f"address {address!r}: names no host; expected dns:///host:port")
+        host, port = host + bracket, after.removeprefix(":") if after else str(DNS_DEFAULT_PORT)
+    elif rest.count(":") > 1:  # an IPv6 address without brackets, so without a port
+        host, port = f"[{rest}]", str(DNS_DEFAULT_PORT)
+    else:
+        host, colon, port = rest.partition(":")
+        port = port if colon else str(DNS_DEFAULT_PORT)
+    if not host:
+        raise ValueError(f"address {address!r}: names no host; expected dns:///host:port")
+    if host.startswith("["):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ValueError(f"address {address!r}: {host} is not an IPv6 address in brackets") from None
+    elif not _HOST_NAME.fullmatch(host):
+        raise ValueError(f"address {address!r}: {host!r} is not a host name or an IP address")
+    # ASCII digits only: other scripts' are digits to isdigit ('²' failed int(), '٨٠' was read as 80);
+    # at most 5 of them before int(), which refuses 4,300 in words of its own.
+    if not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
+        raise ValueError(f"address {address!r}: port {port!r} is not a port (1..65535)")
+    return DnsName(host, int(port), resolver)
 
 
 # The port gRPC's dns resolver gives a name without one, plaintext or not (C-core's kDefaultSecurePort,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.client.addresses import channel_target, server_of
+from tandem.client.addresses import DnsName, channel_target, dns_name, server_of
 
 
 @pytest.mark.parametrize("port", ["\u0668\u0660", "\u00b2", "0", "70000", "9" * 5000])
@@ -65,3 +65,59 @@ def test_a_single_address_is_not_resolved(address: str) -> None:
 )
 def test_the_server_an_address_names_is_a_single_servers_or_a_dns_names(address, server) -> None:
     assert server_of(address) == server
+
+
+@pytest.mark.parametrize(
+    ("address", "name"),
+    [
+        ("dns:///decoder.tandem.svc:50052", DnsName("decoder.tandem.svc", 50052, "")),
+        ("dns:decoder:50052", DnsName("decoder", 50052, "")),
+        ("dns:/decoder:50052", DnsName("decoder", 50052, "")),
+        ("dns://10.0.0.2/decoder:50052", DnsName("decoder", 50052, "10.0.0.2")),
+        ("dns:///decoder", DnsName("decoder", 443, "")),  # gRPC's port for a name without one
+        ("dns:///[::1]:5", DnsName("[::1]", 5, "")),
+        ("dns:///::1", DnsName("[::1]", 443, "")),  # IPv6 without brackets: no port
+        ("decoder:50052", None),
+        ("unix:/run/tandem.sock", None),
+    ],
+)
+def test_a_dns_target_is_read_in_every_form_grpc_reads(address: str, name: DnsName | None) -> None:
+    assert dns_name(address) == name
+
+
+@pytest.mark.parametrize(
+    ("address", "why"),
+    [
+        ("dns:///decoder:70000", "port '70000' is not a port"),
+        ("dns:///decoder:0", "port '0' is not a port"),
+        ("dns:///decoder:\u0668\u0660", "is not a port"),
+        ("dns:///decoder:" + "9" * 5000, "is not a port"),
+        ("dns:///decoder:", "port '' is not a port"),  # a colon and no port: a port left out
+        ("dns:[::1]:", "port '' is not a port"),
+        ("dns:///:50052", "names no host"),
+        ("dns://decoder:50052", "names no host"),  # the name as the DNS server's, and no name
+        ("dns:///[::1", "names no host"),
+        ("dns:///[nope]:1", r"\[nope\] is not an IPv6 address"),
+        ("dns:///decoder host:1", "'decoder host' is not a host name"),
+        ("dns:////decoder:1", "'/decoder' is not a host name"),  # gRPC drops one '/' of the path
+    ],
+)
+def test_a_dns_target_grpc_cannot_resolve_is_refused_by_the_channel_too(address: str, why: str) -> None:
+    """channel_target passed every dns: target to gRPC unread, where the gateway's reading refused a
+    port past 65535 (gRPC wraps it, mod 65536) and server_of named no server for it: one reading now."""
+    with pytest.raises(ValueError, match=why):
+        dns_name(address)
+    with pytest.raises(ValueError, match=why):
+        channel_target(address)
+    assert server_of(address) is None
+
+
+@pytest.mark.parametrize(
+    ("address", "server"),
+    [("dns:/decoder:50052", ("decoder", 50052)), ("dns:///::1", ("::1", 443))],
+)
+def test_a_span_names_the_server_of_each_dns_form_the_gateway_watches(address: str, server) -> None:
+    """gRPC reads both (a path's one leading '/' dropped; an IPv6 address without brackets has no
+    port); the gateway watched them, while server_of named no server for either."""
+    assert server_of(address) == server
+    assert channel_target(address) == (address, True)

@@ -158,6 +158,10 @@ def test_a_dns_name_is_read_in_every_form_grpc_reads() -> None:
         ("dns:///decoder:70000", "port '70000' is not a port"),
         ("dns:///:50052", "names no host"),
         ("dns:///[::1", "names no host"),
+        # Watched before as names no resolver finds (or 443, for "[::1]:"), where the clients' reading
+        # (`tandem.client.addresses.dns_name`, one for both) named no server for them.
+        ("dns:///decoder host:50052", "'decoder host' is not a host name"),
+        ("dns:///[::1]:", "port '' is not a port"),
         # Digits of other scripts are digits to str.isdigit: '²' failed int(), '٨٠' was taken as 80.
         ("dns:///decoder:²", "port '²' is not a port"),
         ("dns:///decoder:٨٠", "port '٨٠' is not a port"),

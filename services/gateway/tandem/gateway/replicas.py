@@ -86,7 +86,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.client.addresses import DNS_DEFAULT_PORT
+from tandem.client.addresses import dns_name
 from tandem.client.channel import channel_target
 from tandem.gateway.replica_model import ReplicaModel, choose_model
 
@@ -130,41 +130,19 @@ def static_replicas(address: str) -> tuple[str, ...] | None:
 
 
 def name_of(address: str) -> str | None:
-    """The "host:port" a `dns:` address names, read as gRPC reads it: `dns:host:port`,
+    """The "host:port" a `dns:` address names, read as gRPC reads it (`dns_name`): `dns:host:port`,
     `dns:///host:port`, the port 443 where none is written; None for another address. Raises
     ValueError for `dns://server/host:port`, which names a DNS server to ask: the gateway looks
     replicas up with the system's resolver, and would watch other replicas than the name's."""
-    if not address.startswith("dns:"):
+    name = dns_name(address)
+    if name is None:
         return None
-    rest = address.removeprefix("dns:")
-    if rest.startswith("//"):
-        server, _, rest = rest[2:].partition("/")
-        if server:
-            raise ValueError(
-                f"address {address!r}: names a DNS server ({server}); the gateway resolves names with "
-                f"the system's resolver: write dns:///{rest}"
-            )
-    host, port = _split_host_port(rest.lstrip("/"))
-    if not host:
-        raise ValueError(f"address {address!r}: names no host; expected dns:///host:port")
-    # ASCII digits only: other scripts' are digits to isdigit ('²' failed int(), '٨٠' was read as 80).
-    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
-        raise ValueError(f"address {address!r}: port {port!r} is not a port (1..65535)")
-    return f"{host}:{port}"
-
-
-def _split_host_port(name: str) -> tuple[str, str]:
-    """`name`'s host (an IPv6 literal in brackets) and port (DNS_DEFAULT_PORT where none is written, as
-    gRPC's resolver reads it)."""
-    if name.startswith("["):
-        host, bracket, port = name.partition("]")
-        if not bracket or (port and not port.startswith(":")):
-            return "", ""
-        return host + bracket, port.removeprefix(":") or str(DNS_DEFAULT_PORT)
-    if name.count(":") > 1:  # an IPv6 literal without brackets, so without a port
-        return f"[{name}]", str(DNS_DEFAULT_PORT)
-    host, colon, port = name.partition(":")
-    return host, port if colon else str(DNS_DEFAULT_PORT)
+    if name.resolver:
+        raise ValueError(
+            f"address {address!r}: names a DNS server ({name.resolver}); the gateway resolves names "
+            f"with the system's resolver: write dns:///{address.removeprefix('dns://').partition('/')[2]}"
+        )
+    return name.host_port
 
 
 async def resolve_name(name: str) -> tuple[str, ...]:
