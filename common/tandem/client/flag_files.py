@@ -168,7 +168,10 @@ def _check_key(chain: bytes, key: bytes, chain_path: str, key_path: str) -> None
                 "writes it decrypted)",
             ) from None
         except ssl.SSLError as error:
-            why = f" ({error.reason})" if error.reason else ""
+            # The certificate is loaded first, so a key whose type has no certificate beside it (RSA for
+            # an EC one) is of another type: OpenSSL's reason read as if no certificate were given.
+            reason = "a key of another type" if error.reason == "NO_CERTIFICATE_ASSIGNED" else error.reason
+            why = f" ({reason})" if reason else ""
             raise TlsFileError(
                 TlsFile.PRIVATE_KEY, f"{key_path} is not the private key of {chain_path}{why}"
             ) from None

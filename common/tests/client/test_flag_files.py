@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from cryptography.hazmat.primitives.asymmetric import ed25519
+from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
 from cryptography.hazmat.primitives.serialization import (
     BestAvailableEncryption,
     Encoding,
@@ -184,6 +184,19 @@ def test_a_key_that_is_not_the_certificates_is_refused_naming_both(tmp_path: Pat
         TlsFileError, match=r"/other-key.pem is not the private key of .*/server.pem \(KEY_VALUES_MISMATCH\)$"
     ) as refused:
         read_tls_files(chain, other_key, None)
+    assert refused.value.file is TlsFile.PRIVATE_KEY
+
+
+def test_a_key_of_another_type_than_the_certificates_is_said_so(tmp_path: Path) -> None:
+    """An RSA key for an EC certificate: OpenSSL files the key beside the certificate, not under it, and
+    its reason, NO_CERTIFICATE_ASSIGNED, read as if no certificate had been given."""
+    chain, _ = self_signed(tmp_path, "server")  # EC (P-256)
+    key = tmp_path / "rsa-key.pem"
+    rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    key.write_bytes(rsa_key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
+    said = r"/rsa-key.pem is not the private key of .*/server.pem \(a key of another type\)$"
+    with pytest.raises(TlsFileError, match=said) as refused:
+        read_tls_files(chain, key, None)
     assert refused.value.file is TlsFile.PRIVATE_KEY
 
 
