@@ -74,7 +74,14 @@ def _channel(port: str) -> grpc.Channel:
 
 
 def main() -> int:
-    for port in os.environ["TANDEM_HEALTH_PORTS"].split():
+    ports = os.environ.get("TANDEM_HEALTH_PORTS", "").split()
+    if not ports:  # else nothing asked and exit 0: healthy, of a service never reached
+        print(
+            "healthcheck: TANDEM_HEALTH_PORTS: names no port: the gRPC ports to ask, space-separated",
+            file=sys.stderr,
+        )
+        return 1
+    for port in ports:
         try:
             channel = _channel(port)
         except BadFile as error:

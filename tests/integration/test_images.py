@@ -348,6 +348,21 @@ def test_a_health_client_pair_without_its_ca_is_one_line_naming_the_ca(given: st
     assert (check.returncode, check.stdout, check.stderr) == (1, "", said)
 
 
+@pytest.mark.parametrize("ports", [None, "", " "])
+def test_no_port_to_check_is_one_line_naming_the_variable_and_unhealthy(ports: str | None) -> None:
+    """Unset, TANDEM_HEALTH_PORTS was a KeyError traceback; empty, no port was asked and the check
+    said healthy (exit 0) of a service it never reached."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("TANDEM_HEALTH_PORTS", None)
+    if ports is not None:
+        env["TANDEM_HEALTH_PORTS"] = ports
+    check = subprocess.run(
+        ["sh", "-c", dockerfile_healthcheck_command()], env=env, capture_output=True, text=True, timeout=30
+    )
+    said = "healthcheck: TANDEM_HEALTH_PORTS: names no port: the gRPC ports to ask, space-separated\n"
+    assert (check.returncode, check.stdout, check.stderr) == (1, "", said)
+
+
 def test_a_port_that_does_not_answer_is_one_line_naming_it_and_unhealthy() -> None:
     """Docker keeps the check's output in `docker inspect`: a service still loading its model (nothing
     listens yet) was an 18-line grpc.RpcError traceback there, every interval."""
