@@ -100,7 +100,7 @@ from tandem.client.errors import (
     TandemError,
     Unavailable,
 )
-from tandem.client.grpc_failures import GrpcsOwnWarnings, is_grpcs_own
+from tandem.client.grpc_failures import GrpcsOwnWarnings
 from tandem.client.over_cap import over_cap
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
 from tandem.client.status_details import status_details
@@ -109,6 +109,7 @@ from tandem.common.torch_part import shared_memory, tensors
 from tandem.common.torch_part.model_identity import read_table_sample
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart
 from tandem.decoder.api.embedding_cache import EmbeddingCache, cache_key
+from tandem.decoder.api.encoder_faults import NoPlace, is_grpcs_own, ran_out, unavailable
 from tandem.decoder.api.encoder_model_check import EncoderModelCheck
 from tandem.decoder.api.encoder_over_cap import description, rows_too_large
 from tandem.decoder.api.encoder_refusal import passed_on, refused
@@ -135,11 +136,6 @@ SAME_TOKENIZER = frozenset({"lookup", "soft-prompt"})
 
 class EncoderMismatch(Exception):
     """The encoder serves another model than this decoder's; the message names both."""
-
-
-class _NoPlace(Exception):
-    """An Embed call never made: its fetch's time ran out while every one of the MAX_EMBEDS_IN_FLIGHT
-    places was taken. This decoder's own limit, not the encoder's silence."""
 
 
 class _SegmentLost(Exception):
@@ -323,11 +319,11 @@ class EncoderParts:
         token = tuple(value for name, value in metadata if name in FORWARDED_METADATA)
         try:
             return await self.fetches.fetch(
-                (key, token), timeout_s, lambda time_s: self._embed(part, key, time_s, metadata), _ran_out
+                (key, token), timeout_s, lambda time_s: self._embed(part, key, time_s, metadata), ran_out
             )
         except grpc.aio.AioRpcError as error:
             raise self._error(error, field, is_capped, part.kind) from None
-        except _NoPlace:
+        except NoPlace:
             raise self._no_place(field, is_capped) from None
         except EncoderMismatch as error:
             raise FailedPrecondition(field, str(error)) from None
@@ -358,14 +354,14 @@ class EncoderParts:
             except tensors.TooManyElements as error:
                 raise InvalidArgument("", rows_too_large(self.max_message_bytes, error.description)) from None
             except grpc.aio.AioRpcError as error:
-                if _ran_out(error) or over_cap(error) is not None:
+                if ran_out(error) or over_cap(error) is not None:
                     raise
-                raise _unavailable(
+                raise unavailable(
                     f"{lost}; fetched again by value: {error.code().name}: {error.details()}",
                     replica_name.reported(error.initial_metadata()),
                 ) from None
             except (InvalidArgument, FailedPrecondition) as error:
-                raise _unavailable(f"{lost}; fetched again by value, its reply's {error}", replica) from None
+                raise unavailable(f"{lost}; fetched again by value, its reply's {error}", replica) from None
         except tensors.TooManyElements as error:
             # More rows than this decoder's --max-message-bytes holds (an encoder allowed larger
             # messages, and shared memory passes gRPC's receive cap): the caller's input is too long,
@@ -376,7 +372,7 @@ class EncoderParts:
             # A reply wrong in itself (a segment this call did not ask for, rows past their segment, a
             # dtype or shape not the rows', NaN): the encoder's fault, never the caller's input (callers
             # pass no handles). It was INVALID_ARGUMENT on the caller's prompt[i].encoder.*.
-            raise _unavailable(f"its reply's {error}", replica) from None
+            raise unavailable(f"its reply's {error}", replica) from None
         self.cache.put(key, result)
         return result
 
@@ -410,7 +406,7 @@ class EncoderParts:
             async with asyncio.timeout_at(deadline):
                 await self._in_flight.acquire()
         except TimeoutError:
-            raise _NoPlace from None
+            raise NoPlace from None
         try:
             call = self.client.stub.Embed(
                 request, timeout=max(0.0, deadline - loop.time()), metadata=metadata
@@ -561,12 +557,12 @@ class EncoderParts:
             # Its own bound: a part joining a call that a part with more time started leaves at its own.
             async with asyncio.timeout(timeout_s):
                 info, replica = await self._model_infos.fetch(
-                    token, timeout_s, lambda time_s: self._model_info(time_s, metadata), _ran_out
+                    token, timeout_s, lambda time_s: self._model_info(time_s, metadata), ran_out
                 )
         except TimeoutError:  # this part's own time, the call perhaps running on for another's
             raise self._out_of_time(field, is_capped, "asked which model it serves") from None
         except grpc.aio.AioRpcError as error:
-            if _ran_out(error):
+            if ran_out(error):
                 raise self._out_of_time(
                     field, is_capped, "asked which model it serves", self._who(error)
                 ) from None
@@ -664,7 +660,7 @@ class EncoderParts:
                 else delay_s,
                 info=passed_on(said.info),
             )
-        if code == grpc.StatusCode.UNAVAILABLE and _is_grpcs_own(error):
+        if code == grpc.StatusCode.UNAVAILABLE and is_grpcs_own(error):
             self._grpcs_own_warnings.warn(
                 who, code, f"an Embed call to encoder {who} failed: UNAVAILABLE: {details}"
             )
@@ -706,28 +702,3 @@ def _with_encoder_parts(
 def _cancel_unless_settled(rows: concurrent.futures.Future[torch.Tensor], task: asyncio.Task) -> None:
     if task.cancelled():
         rows.cancel()
-
-
-class _FaultyReply(grpc.aio.AioRpcError):
-    """A reply this decoder found wrong in itself: its words are the decoder's, not gRPC's own."""
-
-
-def _unavailable(details: str, replica: str | None) -> grpc.aio.AioRpcError:
-    """UNAVAILABLE as the encoder's call would raise it: each waiter names its own field and the encoder
-    (`replica`, the one that sent the faulty reply, where it said; `_error`)."""
-    initial = grpc.aio.Metadata((replica_name.HEADER, replica)) if replica else grpc.aio.Metadata()
-    return _FaultyReply(grpc.StatusCode.UNAVAILABLE, initial, grpc.aio.Metadata(), details)
-
-
-def _is_grpcs_own(error: grpc.aio.AioRpcError) -> bool:
-    """Whether `error` is gRPC's own failure of the call (no connection, one lost), not the encoder's
-    status (`grpc_failures.is_grpcs_own`), nor this decoder's own word on a faulty reply: a _FaultyReply
-    carries no google.rpc details either, and keeps its words."""
-    return not isinstance(error, _FaultyReply) and is_grpcs_own(error)
-
-
-def _ran_out(error: BaseException) -> bool:
-    """Whether a call failed for want of time: a caller with more of its own fetches again."""
-    if isinstance(error, _NoPlace):
-        return True
-    return isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
