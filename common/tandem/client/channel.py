@@ -120,6 +120,7 @@ def open_channel(
     own_connection: bool = False,
     is_health_checked: bool = True,
     authority: str | None = None,
+    is_replica: bool = False,
 ) -> grpc.aio.Channel:
     """A channel to one of our services (`service`, e.g. "tandem.v1.Decoder", names its health
     status): size limits, keepalive, retries, TLS and token as asked; balanced over several servers,
@@ -128,10 +129,16 @@ def open_channel(
     them by default), so the server sees this channel's calls as one caller of their own.
     `authority`: the name the servers go by (their TLS certificates' name) where `address` holds
     their IP addresses, looked up from it by the caller.
+    `is_replica`: `address` is one of several replicas that the opener watches itself (the gateway's,
+    `tandem.gateway.replica_channel`): the options of a channel over several, the replicas' keepalive
+    and round_robin (over its one connection), though it names one server; its health not watched.
 
     Raises ValueError for an address it cannot use."""
     target, is_balanced = channel_target(address)
-    options = client_channel_options(max_message_bytes, is_balanced, service if is_health_checked else None)
+    is_watched = is_health_checked and not is_replica
+    options = client_channel_options(
+        max_message_bytes, is_balanced or is_replica, service if is_watched else None
+    )
     if own_connection:
         options.append(("grpc.use_local_subchannel_pool", 1))
     if authority is not None:
@@ -156,7 +163,7 @@ def open_channel(
                 probe_options.append(("grpc.default_authority", probe_authority))
             return _channel(server, probe_options, security, None)
 
-        probe = health_probe(open_probe_channel, service if is_health_checked else None, security.uses_tls)
+        probe = health_probe(open_probe_channel, service if is_watched else None, security.uses_tls)
         gate = FirstCallsGate(_servers(address, target), probe)
         chain.extend(details_interceptors(gate.held))
     channel = _channel(target, options, security, chain or None)

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from common.tests.client.replica import Replica, serve_decoder
-from tandem.client.channel import open_channel, service_config
+from tandem.client.channel import KEEPALIVE_MS, REPLICA_KEEPALIVE_MS, open_channel, service_config
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 
 
@@ -33,6 +33,33 @@ def test_a_balanced_channel_watches_health_unless_told_not_to() -> None:
     assert watched["healthCheckConfig"] == {"serviceName": "tandem.v1.Decoder"}
     assert unwatched["loadBalancingConfig"] == watched["loadBalancingConfig"] == [{"round_robin": {}}]
     assert "healthCheckConfig" not in unwatched
+
+
+async def test_a_replica_s_channel_takes_the_options_of_an_unwatched_channel_over_several(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gateway's channel to one replica it watches (`is_replica`) gets what a channel over several
+    gets, the replicas' keepalive and round_robin, where one address otherwise gets one server's."""
+    options_of: dict[str, list[tuple[str, object]]] = {}
+    insecure_channel = grpc.aio.insecure_channel
+
+    def recorded(target: str, options: list[tuple[str, object]], interceptors: object) -> grpc.aio.Channel:
+        options_of.setdefault(target, options)  # the balanced channel's, before its probes'
+        return insecure_channel(target, options=options, interceptors=interceptors)
+
+    monkeypatch.setattr(grpc.aio, "insecure_channel", recorded)
+    channels = [
+        open_channel("127.0.0.1:1,127.0.0.1:2", service="tandem.v1.Decoder", is_health_checked=False),
+        open_channel("127.0.0.1:3", service="tandem.v1.Decoder", is_replica=True),
+        open_channel("127.0.0.1:4", service="tandem.v1.Decoder"),
+    ]
+    try:
+        assert options_of["127.0.0.1:3"] == options_of["ipv4:127.0.0.1:1,127.0.0.1:2"]
+        assert ("grpc.keepalive_time_ms", REPLICA_KEEPALIVE_MS[0]) in options_of["127.0.0.1:3"]
+        assert ("grpc.keepalive_time_ms", KEEPALIVE_MS[0]) in options_of["127.0.0.1:4"]
+    finally:
+        for channel in channels:
+            await channel.close()
 
 
 async def test_an_unwatched_balanced_channel_retries_a_refused_generate_and_skips_a_stopped_replica() -> None:

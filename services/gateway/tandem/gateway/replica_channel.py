@@ -1,9 +1,9 @@
 """A channel to one replica: the replicas' keepalive (a ping every 2 s, unanswered in 3 s), not one
 server's (30 s + 10 s).
 
-NOTE: why not `open_channel` for one replica. It gives one address the keepalive of a single server,
-where nothing else could take the calls: a decoder stopped for good (SIGSTOP, a frozen VM) left its
-connection open, and the gateway found it only when a ping went unanswered. Over one decoder the
+NOTE: why not `open_channel`'s channel for one address. It gives one address the keepalive of a single
+server, where nothing else could take the calls: a decoder stopped for good (SIGSTOP, a frozen VM) left
+its connection open, and the gateway found it only when a ping went unanswered. Over one decoder the
 gateway's watch then kept it serving ~12 s (a late Check leaves the only serving replica in:
 `Replicas._late_check`), and the completions sent meanwhile hung 28-60 s (the 40 s keepalive, then a
 20 s reconnect that never got the HTTP/2 SETTINGS frame). Pings are answered by gRPC's own threads,
@@ -11,7 +11,8 @@ not the server's event loop, so a replica whose loop is held a few seconds keeps
 replica keepalive tells a stopped process (its Watch ends within 5 s, a definite state: out at once)
 from a held one (its Watch stays open, its late Checks leave it serving). So the watch's channel to
 each replica, and a caller's channel over the one replica left, get the replicas' keepalive, as a
-channel over several does (`tandem.client.channel.REPLICA_KEEPALIVE_MS`).
+channel over several does (`tandem.client.channel.REPLICA_KEEPALIVE_MS`): `open_channel`'s
+`is_replica`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from tandem.client.auth import bearer_token
-from tandem.client.channel import ChannelSecurity, client_channel_options, details_interceptors
+from tandem.client.channel import ChannelSecurity, open_channel
 
 
 def open_replica_channel(
@@ -36,15 +36,12 @@ def open_replica_channel(
     watching nothing: its size limits, retries, TLS and token, and the replicas' keepalive (round_robin
     over one server: its one connection, as one server's default). `own_connection` and `authority` as
     `open_channel` takes them."""
-    options = client_channel_options(max_message_bytes, is_balanced=True)
-    if own_connection:
-        options.append(("grpc.use_local_subchannel_pool", 1))
-    if authority is not None:
-        options.append(("grpc.default_authority", authority))
-    chain = [*interceptors, *(details_interceptors(bearer_token(security.token)) if security.token else [])]
-    if not security.uses_tls:
-        return grpc.aio.insecure_channel(replica, options=options, interceptors=chain or None)
-    credentials = grpc.ssl_channel_credentials(
-        security.root_certificates, security.private_key, security.certificate_chain
+    return open_channel(
+        replica,
+        max_message_bytes,
+        security,
+        interceptors,
+        own_connection=own_connection,
+        authority=authority,
+        is_replica=True,
     )
-    return grpc.aio.secure_channel(replica, credentials, options=options, interceptors=chain or None)
