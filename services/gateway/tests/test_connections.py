@@ -145,3 +145,22 @@ async def test_a_refused_header_line_is_quoted_neither_to_the_caller_nor_in_the_
         assert "sek" not in said and "Bearer" not in said
     if b"\x01" not in header:
         assert "over 8190 bytes" in answer["error"]["message"] and "over 8190 bytes" in logged[0]
+
+
+async def test_a_head_that_arrived_ends_the_header_timer_and_a_stalled_body_is_answered_408() -> None:
+    """The connection guard is set on the Gateway after its app is built (__main__, live_gateway) and
+    reaches the middlewares that stop a connection's header timer once a head is in: a body stalled past
+    --body-idle-timeout-s is then answered 408, never cut at --header-timeout-s with no answer (with the
+    guard left unwired: a silent close at 0.31 s)."""
+    async with (
+        fake_decoder() as (_, address),
+        live_gateway(address, header_timeout_s=0.3, body_timeout_s=1.5, body_idle_timeout_s=1.5) as url,
+    ):
+        sock = await connect(url)
+        try:
+            await send(sock, COMPLETIONS_HEAD + b"Content-Length: 1000\r\n\r\n{")
+            head, _, body = (await read_to_close(sock, 10)).partition(b"\r\n\r\n")
+        finally:
+            sock.close()
+    assert head.split()[1] == b"408", head
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
