@@ -94,7 +94,9 @@ def main() -> int:
                 said = f"{error.code().name}: {error.details()}"
                 print(f"healthcheck: 127.0.0.1:{port}: {said}", file=sys.stderr)
                 return 1
-        if answer.status != HealthCheckResponse.SERVING:
+        if answer.status != HealthCheckResponse.SERVING:  # draining, or not yet serving: say which
+            status = HealthCheckResponse.ServingStatus.Name(answer.status)
+            print(f"healthcheck: 127.0.0.1:{port}: {status}", file=sys.stderr)
             return 1
     return 0
 

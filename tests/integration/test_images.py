@@ -21,11 +21,15 @@ import subprocess
 import sys
 import tomllib
 from collections.abc import Iterable
+from concurrent import futures
 from functools import cache
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import HealthServicer
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -377,6 +381,28 @@ def test_a_port_that_does_not_answer_is_one_line_naming_it_and_unhealthy() -> No
     assert (check.returncode, check.stdout) == (1, "")
     assert check.stderr.startswith("healthcheck: 127.0.0.1:1: UNAVAILABLE: ")
     assert check.stderr.count("\n") == 1 and check.stderr.endswith("\n"), check.stderr
+
+
+def test_a_port_not_serving_is_one_line_naming_it_and_its_status_and_unhealthy() -> None:
+    """A draining service answers NOT_SERVING: the check said unhealthy with no line to say why."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    health = HealthServicer()
+    health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        env = {
+            **os.environ,
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+            "TANDEM_HEALTH_PORTS": str(port),
+        }
+        command = ["sh", "-c", dockerfile_healthcheck_command()]
+        check = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30)
+    finally:
+        server.stop(0)
+    said = f"healthcheck: 127.0.0.1:{port}: NOT_SERVING\n"
+    assert (check.returncode, check.stdout, check.stderr) == (1, "", said)
 
 
 def _cap_address_space() -> None:
