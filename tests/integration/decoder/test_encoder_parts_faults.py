@@ -135,7 +135,7 @@ async def test_an_honest_reply_is_read_and_its_segment_released_for_the_next(rig
     assert not any(shared_memory.exists(rig.directory, h.name) for h in rig.stand_in.handles)
     assert rig.stand_in.segments.num_leased == 0
     assert rig.stand_in.segments.num_created == 1  # the second call's rows went into the first's segment
-    assert rig.parts.maps.num_mapped == 1  # which the decoder read through the mapping it kept
+    assert rig.parts.replies.maps.num_mapped == 1  # which the decoder read through the mapping it kept
 
 
 async def test_a_handle_of_a_few_rows_is_opened_off_the_event_loop(rig: Rig) -> None:
@@ -144,13 +144,13 @@ async def test_a_handle_of_a_few_rows_is_opened_off_the_event_loop(rig: Rig) -> 
     of the decoder waited for it."""
     loop_thread = threading.get_ident()
     opened_on: list[int] = []  # the thread of each open
-    open_segment = rig.parts.maps.open
+    open_segment = rig.parts.replies.maps.open
 
     def recording(name: str) -> shared_memory.Segment | None:
         opened_on.append(threading.get_ident())
         return open_segment(name)
 
-    rig.parts.maps.open = recording  # type: ignore[method-assign]
+    rig.parts.replies.maps.open = recording  # type: ignore[method-assign]
     assert len(await _generate(rig.decoder)) == 2
     assert rig.stand_in.handles[0].shape == [3, 64]  # 768 bytes of rows
     assert len(opened_on) == 1 and opened_on[0] != loop_thread
@@ -244,7 +244,7 @@ def _open_fails(parts: EncoderParts, monkeypatch: pytest.MonkeyPatch) -> None:
     def too_many_files(name: str) -> None:
         raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
 
-    monkeypatch.setattr(parts.maps, "open", too_many_files)
+    monkeypatch.setattr(parts.replies.maps, "open", too_many_files)
 
 
 def _shrinks_while_read(parts: EncoderParts, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -383,7 +383,7 @@ async def test_an_encoder_that_is_down_is_unavailable_naming_it_within_seconds(
 
 
 def _fresh_offer(parts: EncoderParts) -> encoder_pb2.SharedMemoryOffer:
-    offer = parts._offer()
+    offer = parts.replies.offer()
     assert offer is not None
     return offer
 

@@ -36,12 +36,8 @@ from tandem.common.server import RunningServer, ServerOptions, Service, start_se
 from tandem.common.torch_part import tensors
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart, TextPrompt
 from tandem.decoder.api import encoder_parts
-from tandem.decoder.api.encoder_parts import (
-    MAX_EMBEDS_IN_FLIGHT,
-    MAX_FETCHES_PER_CALL,
-    READ_ON_A_THREAD_BYTES,
-    EncoderParts,
-)
+from tandem.decoder.api.embed_replies import READ_ON_A_THREAD_BYTES, EmbedReplies
+from tandem.decoder.api.encoder_parts import MAX_EMBEDS_IN_FLIGHT, MAX_FETCHES_PER_CALL, EncoderParts
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 
 HIDDEN_SIZE = 8
@@ -430,13 +426,13 @@ async def test_rows_over_a_mebibyte_are_checked_off_the_event_loop(
     """The cast and the finiteness check of large rows (163 ms for 8,192 x 4,096 bf16 rows) would hold
     every stream and health check of the decoder while they ran on its loop."""
     checked_on: list[bool] = []  # whether each check ran on the event loop's thread
-    check = EncoderParts._checked
+    check = EmbedReplies._checked
 
-    def recording(self: EncoderParts, rows: torch.Tensor, where: str) -> torch.Tensor:
+    def recording(self: EmbedReplies, rows: torch.Tensor, where: str) -> torch.Tensor:
         checked_on.append(threading.current_thread() is threading.main_thread())
         return check(self, rows, where)
 
-    monkeypatch.setattr(EncoderParts, "_checked", recording)
+    monkeypatch.setattr(EmbedReplies, "_checked", recording)
     parts = EncoderParts(stand_in[1].address, torch.float32, 4 << 20, cache_bytes=8 << 20, shm_dir=tmp_path)
     try:
         encoder.gate.set()

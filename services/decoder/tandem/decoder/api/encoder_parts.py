@@ -83,7 +83,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import secrets
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -102,12 +101,13 @@ from tandem.client.errors import (
 )
 from tandem.client.grpc_failures import GrpcsOwnWarnings
 from tandem.client.over_cap import over_cap
-from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
+from tandem.client.pb.tandem.v1 import encoder_pb2
 from tandem.client.status_details import status_details
 from tandem.common import replica_name
 from tandem.common.torch_part import shared_memory, tensors
 from tandem.common.torch_part.model_identity import read_table_sample
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart
+from tandem.decoder.api.embed_replies import EmbedReplies, SegmentLost
 from tandem.decoder.api.embedding_cache import EmbeddingCache, cache_key
 from tandem.decoder.api.encoder_faults import NoPlace, is_grpcs_own, ran_out, unavailable
 from tandem.decoder.api.encoder_model_check import EncoderModelCheck
@@ -115,7 +115,6 @@ from tandem.decoder.api.encoder_over_cap import description, rows_too_large
 from tandem.decoder.api.encoder_refusal import passed_on, refused
 from tandem.decoder.api.shared_fetches import SharedFetches
 from tandem.decoder.api.trace_context import trace_context
-from tandem.decoder.backends.cpu import copy_digest
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 
 log = logging.getLogger(__name__)
@@ -124,7 +123,6 @@ CHECK_RETRY_S = 0.25  # between GetModelInfo calls to an encoder still loading i
 MAX_FETCH_S = 60.0  # an Embed call without a caller's deadline: a vision tower takes well under a second
 MAX_EMBEDS_IN_FLIGHT = 64  # Embed calls running at once, all requests together (see step 2)
 MAX_FETCHES_PER_CALL = 16  # of one Generate call's parts, fetching at once (see step 2)
-READ_ON_A_THREAD_BYTES = 1024 * 1024  # rows sent as bytes this large are checked off the event loop
 ENCODER_FULL_RETRY_S = 1.0  # an encoder's RESOURCE_EXHAUSTED with no RetryInfo of its own, passed on
 ENCODER_MAX_RETRY_S = 60.0  # an encoder's delay past this (or not above 0) is passed on as the 1 s
 FORWARDED_METADATA = ("authorization",)  # the caller's token: the encoder's per-token bounds see it
@@ -136,12 +134,6 @@ SAME_TOKENIZER = frozenset({"lookup", "soft-prompt"})
 
 class EncoderMismatch(Exception):
     """The encoder serves another model than this decoder's; the message names both."""
-
-
-class _SegmentLost(Exception):
-    """The rows a reply put in shared memory were gone, changed, or could not be opened, before this
-    decoder read them: its lease ran out. The decoder's own timing, never the caller's input: fetched
-    again by value."""
 
 
 class EncoderParts:
@@ -164,7 +156,6 @@ class EncoderParts:
     ) -> None:
         self.address = address
         self.dtype = dtype
-        self.hidden_size = hidden_size
         self.max_message_bytes = max_message_bytes
         self.model_check = EncoderModelCheck(
             address,
@@ -175,16 +166,7 @@ class EncoderParts:
         self.client = EncoderClient(address, max_message_bytes, telemetry)
         self.cache = EmbeddingCache(cache_bytes)
         self.shm_dir = shm_dir
-        self.probe = shared_memory.Probe.create(shm_dir)  # None: shared memory is never offered
-        # The encoder's pool segments, mapped once each and read through the mapping every later call,
-        # each read copied and digested in one pass where this CPU has the fused kernel.
-        self.maps = (
-            shared_memory.SegmentMaps(shm_dir, copy_digest=copy_digest.for_cpu())
-            if self.probe is not None
-            else None
-        )
-        # An embedding tensor can never be larger than a message, as for the caller's own tensors.
-        self.limits = tensors.TensorLimits(max_elements=max_message_bytes // 2)
+        self.replies = EmbedReplies(dtype, hidden_size, max_message_bytes, shm_dir)
         self._traces_itself = telemetry is not None and telemetry.is_tracing
         # The encoder's model name, part of every cache key: asked until an encoder of this decoder's
         # model answers, then kept (each reply's own model is checked all the same: `_check_model`).
@@ -201,19 +183,22 @@ class EncoderParts:
         # The fetches running, by cache key and the caller's bearer token: a fetch of one joins them.
         self.fetches: SharedFetches[torch.Tensor] = SharedFetches()
         self._in_flight = asyncio.Semaphore(MAX_EMBEDS_IN_FLIGHT)  # Embed calls running (step 2)
-        self.num_shared = 0  # replies read from shared memory
-        self.num_bytes = 0  # replies that carried their rows as bytes
         self.num_refetched = 0  # fetched again by value: their segment was lost before it was read
         # gRPC's own failures of Embed calls, logged once in a while for each encoder and code: `_error`
         # runs once for each part waiting on a failed call, so a stopped encoder wrote one line per part.
         self._grpcs_own_warnings = GrpcsOwnWarnings(log)
 
     async def close(self) -> None:
-        if self.probe is not None:
-            self.probe.close()
-        if self.maps is not None:
-            self.maps.close()
+        self.replies.close()
         await self.client.close()
+
+    @property
+    def num_shared(self) -> int:  # replies read from shared memory
+        return self.replies.num_shared
+
+    @property
+    def num_bytes(self) -> int:  # replies that carried their rows as bytes
+        return self.replies.num_bytes
 
     def start(
         self,
@@ -338,19 +323,19 @@ class EncoderParts:
         part (`.shared_embeddings.name`), which each waiter names on its own field."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        offer = self._offer()
+        offer = self.replies.offer()
         reply, replica = await self._call(part, offer, deadline, metadata)
         self._check_model(reply, offer, replica)
         try:
-            result = await self._read(reply, offer)
-        except _SegmentLost as lost:
+            result = await self.replies.read(reply, offer)
+        except SegmentLost as lost:
             # The encoder's lease ran out before this decoder read its rows (a busy decoder, a short
             # --shared-memory-lease-s): this host's timing, not the caller's input. Once more, by value.
             self.num_refetched += 1
             try:
                 again, replica = await self._call(part, None, deadline, metadata)
                 self._check_model(again, None, replica)
-                result = await self._read(again, None)
+                result = await self.replies.read(again, None)
             except tensors.TooManyElements as error:
                 raise InvalidArgument("", rows_too_large(self.max_message_bytes, error.description)) from None
             except grpc.aio.AioRpcError as error:
@@ -419,88 +404,6 @@ class EncoderParts:
             raise
         finally:
             self._in_flight.release()
-
-    async def _read(
-        self, reply: encoder_pb2.EmbedResponse, offer: encoder_pb2.SharedMemoryOffer | None
-    ) -> torch.Tensor:
-        """The rows of `reply`, from the segment `offer` asked for or from its bytes; errors on fields
-        relative to the part (the reply's fault, which _embed reports as the encoder's). Raises
-        _SegmentLost when the segment is gone or no longer what was written."""
-        if reply.HasField("shared_embeddings"):
-            handle = reply.shared_embeddings
-            if offer is None or handle.name != offer.segment_name:
-                raise InvalidArgument(".shared_embeddings.name", "names a segment this call did not ask for")
-            # On a thread whatever the rows' size: the first handle of a pool segment maps the whole
-            # segment (MAP_POPULATE fills its page tables), which the encoder makes up to
-            # --shared-memory-bytes (1 GiB): 60-94 ms for 1 GiB, 3-6 ms for 64 MiB, here, and a
-            # 768-byte reply may be given a large free segment. On the loop it held every stream.
-            result = await asyncio.to_thread(self._read_segment, handle, offer.digest_key)
-            self.num_shared += 1
-            return result
-        rows = tensors.decode(reply.embeddings, ".embeddings", rank=2, limits=self.limits)
-        if rows.nbytes > READ_ON_A_THREAD_BYTES:
-            result = await asyncio.to_thread(self._checked, rows, ".embeddings")
-        else:
-            result = self._checked(rows, ".embeddings")
-        self.num_bytes += 1
-        return result
-
-    def _checked(self, rows: torch.Tensor, where: str) -> torch.Tensor:
-        """`rows` in the model's dtype, checked [n, hidden_size] and finite in it before they are cached
-        (admission checks every call's rows again): rows holding NaN or Inf, or of another width, kept,
-        refused every later call of the same input until evicted, the encoder's fault outliving its
-        fix; the width was refused only at admission, INVALID_ARGUMENT on the caller's field. A fetch's
-        cost alone, not a cache hit's; off the event loop where the rows are large, as reading them is
-        (19 ms for 576 x 4,096 bf16 rows at one thread, 163 ms for 8,192)."""
-        # Rank 2 and n >= 1 are decode's (`rank=2`, no empty dimension); the width is the model's.
-        if self.hidden_size is not None and rows.shape[1] != self.hidden_size:
-            raise InvalidArgument(
-                f"{where}.shape",
-                f"rows {list(rows.shape)}, this decoder's model takes [n >= 1, {self.hidden_size}] (is "
-                "the encoder serving another model?)",
-            )
-        cast = rows.to(self.dtype)
-        tensors.require_finite(cast, where, sent=rows)
-        return cast
-
-    def _read_segment(self, handle: tensor_pb2.SharedTensor, key: bytes) -> torch.Tensor:
-        """The rows of the segment a reply names, checked and copied into this process, and the name
-        removed: read once, and the segment released to the encoder's pool. Fields are the part's own."""
-        where = ".shared_embeddings"
-        assert self.maps is not None, "a handle is read only for a call that offered shared memory"
-        try:
-            segment = self.maps.open(handle.name)
-        except OSError as error:  # this host's (a race with the encoder's pool, a limit): by value
-            # Released to the pool, as a read does; a name this process may not remove (EPERM, EISDIR:
-            # not the encoder's file) is left, its own error no reason to fail the call unclassified.
-            with contextlib.suppress(OSError):
-                shared_memory.remove(self.shm_dir, handle.name)
-            raise _SegmentLost(f"its segment could not be opened ({error})") from None
-        if segment is None:
-            raise _SegmentLost("its segment was gone before it was read (the encoder's lease ran out)")
-        try:
-            with segment:
-                rows = tensors.decode_shared(handle, segment, key, where, rank=2, limits=self.limits)
-        except InvalidArgument as error:
-            # The lease ran out while it was read and the encoder wrote the segment again, or the file
-            # was cut meanwhile (decode_shared's bounded read found it shorter than when it was checked).
-            if error.field == f"{where}.digest" or error.description.startswith("the segment shrank"):
-                raise _SegmentLost(f"its segment changed while it was read ({error.description})") from None
-            raise
-        finally:
-            shared_memory.remove(self.shm_dir, handle.name)
-        return self._checked(rows, where)
-
-    def _offer(self) -> encoder_pb2.SharedMemoryOffer | None:
-        """A fresh segment name and digest key for one call, with this decoder's proof; None without one."""
-        if self.probe is None:
-            return None
-        return encoder_pb2.SharedMemoryOffer(
-            probe_name=self.probe.name,
-            probe_token=self.probe.token,
-            segment_name=shared_memory.new_name(shared_memory.SEGMENT_PREFIX),
-            digest_key=secrets.token_bytes(shared_memory.KEY_BYTES),
-        )
 
     async def check_model(self, wait_s: float) -> str:
         """Asks the encoder which model it serves, for at most `wait_s` (it may still be loading), and
