@@ -37,6 +37,13 @@ def is_grpcs_own(error: grpc.aio.AioRpcError) -> bool:
     return not isinstance(error, FaultyReply) and grpc_failures.is_grpcs_own(error)
 
 
+def encoder_named(address: str, error: grpc.aio.AioRpcError) -> str:
+    """The encoder to name for `error`: the replica that took the call, where it said so (as the call
+    began, before any work: a hung one too); else `address` as configured, all of them where several
+    (none answered: every one unreachable, or one from before replicas said)."""
+    return replica_name.answering(address, replica_name.reported(error.initial_metadata()))
+
+
 def ran_out(error: BaseException) -> bool:
     """Whether a call failed for want of time: a caller with more of its own fetches again."""
     if isinstance(error, NoPlace):

@@ -51,7 +51,7 @@ table (`tandem.common.torch_part.model_identity`; compared in `encoder_model_che
 would otherwise read in the wrong hidden space: once loaded, the decoder asks (GetModelInfo:
 `check_model`, waiting a while for an encoder still loading) and refuses to start beside another model
 of the same shape; and every Embed reply carries its model's sample, checked before its rows are read or
-cached (`_check_model`). Once was not enough: `--encoder good,wrong` is balanced, and the start-up check
+cached (`encoder_model.py`). Once was not enough: `--encoder good,wrong` is balanced, and the start-up check
 asked one of the two, after which half the parts were the other's rows, served OK; an encoder restarted
 on its port with another checkpoint was never noticed. A reply of another model is FAILED_PRECONDITION
 on the part, naming both models, and its rows are never used. An encoder that did not answer at start is
@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -109,7 +108,8 @@ from tandem.common.torch_part.model_identity import read_table_sample
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart
 from tandem.decoder.api.embed_replies import EmbedReplies, SegmentLost
 from tandem.decoder.api.embedding_cache import EmbeddingCache, cache_key
-from tandem.decoder.api.encoder_faults import NoPlace, is_grpcs_own, ran_out, unavailable
+from tandem.decoder.api.encoder_faults import NoPlace, encoder_named, is_grpcs_own, ran_out, unavailable
+from tandem.decoder.api.encoder_model import EncoderMismatch, EncoderModel
 from tandem.decoder.api.encoder_model_check import EncoderModelCheck
 from tandem.decoder.api.encoder_over_cap import description, rows_too_large
 from tandem.decoder.api.encoder_refusal import passed_on, refused
@@ -119,7 +119,6 @@ from tandem.decoder.engine.admission.prompt import GenerateSpec
 
 log = logging.getLogger(__name__)
 
-CHECK_RETRY_S = 0.25  # between GetModelInfo calls to an encoder still loading its model
 MAX_FETCH_S = 60.0  # an Embed call without a caller's deadline: a vision tower takes well under a second
 MAX_EMBEDS_IN_FLIGHT = 64  # Embed calls running at once, all requests together (see step 2)
 MAX_FETCHES_PER_CALL = 16  # of one Generate call's parts, fetching at once (see step 2)
@@ -130,10 +129,6 @@ FORWARDED_METADATA = ("authorization",)  # the caller's token: the encoder's per
 # one per position its input takes in the prompt (a soft prompt's virtual rows more). A projector
 # tokenizes with its encoder's own (MiniLM's WordPiece: a long word is one [UNK]).
 SAME_TOKENIZER = frozenset({"lookup", "soft-prompt"})
-
-
-class EncoderMismatch(Exception):
-    """The encoder serves another model than this decoder's; the message names both."""
 
 
 class EncoderParts:
@@ -157,29 +152,18 @@ class EncoderParts:
         self.address = address
         self.dtype = dtype
         self.max_message_bytes = max_message_bytes
-        self.model_check = EncoderModelCheck(
+        model_check = EncoderModelCheck(
             address,
             read_table_sample(model_dir, ValueError) if model_dir is not None else None,
             model_dir,
             model_name,
         )
         self.client = EncoderClient(address, max_message_bytes, telemetry)
+        self.encoder_model = EncoderModel(address, self.client, model_check, shm_dir)
         self.cache = EmbeddingCache(cache_bytes)
         self.shm_dir = shm_dir
         self.replies = EmbedReplies(dtype, hidden_size, max_message_bytes, shm_dir)
         self._traces_itself = telemetry is not None and telemetry.is_tracing
-        # The encoder's model name, part of every cache key: asked until an encoder of this decoder's
-        # model answers, then kept (each reply's own model is checked all the same: `_check_model`).
-        self._model: str | None = None
-        # Its embedder kind (GetModelInfo.embedder), said with the name: whether a part's rows are one
-        # per position of its input as this decoder's tokenizer reads it (EncoderPrompt.counts_as_input).
-        self._embedder: str | None = None
-        # The GetModelInfo calls running until then, by the caller's bearer token: parts asking meanwhile
-        # share one, each waiting at most its own time. Under a lock held for the whole call, the k-th
-        # of k parts waited k calls' time (a hung encoder: 60 s each), far past its own deadline.
-        self._model_infos: SharedFetches[tuple[encoder_pb2.EncoderGetModelInfoResponse, str | None]] = (
-            SharedFetches()
-        )
         # The fetches running, by cache key and the caller's bearer token: a fetch of one joins them.
         self.fetches: SharedFetches[torch.Tensor] = SharedFetches()
         self._in_flight = asyncio.Semaphore(MAX_EMBEDS_IN_FLIGHT)  # Embed calls running (step 2)
@@ -212,7 +196,7 @@ class EncoderParts:
         rules that read no position, prompt.check_spec) is handed the spec first, each encoder part
         counted as its rows will come (`counts_as_input`), where it has encoder parts: a call those rules
         refuse never reaches the encoder."""
-        counts_as_input = self._embedder in SAME_TOKENIZER
+        counts_as_input = self.encoder_model.embedder in SAME_TOKENIZER
         to_fetch: list[tuple[EncoderPrompt, str, concurrent.futures.Future[torch.Tensor]]] = []
 
         def counted(part: EncoderPrompt, field: str) -> EncoderPrompt:
@@ -325,7 +309,7 @@ class EncoderParts:
         deadline = loop.time() + timeout_s
         offer = self.replies.offer()
         reply, replica = await self._call(part, offer, deadline, metadata)
-        self._check_model(reply, offer, replica)
+        self.encoder_model.check_reply(reply, offer, replica)
         try:
             result = await self.replies.read(reply, offer)
         except SegmentLost as lost:
@@ -334,7 +318,7 @@ class EncoderParts:
             self.num_refetched += 1
             try:
                 again, replica = await self._call(part, None, deadline, metadata)
-                self._check_model(again, None, replica)
+                self.encoder_model.check_reply(again, None, replica)
                 result = await self.replies.read(again, None)
             except tensors.TooManyElements as error:
                 raise InvalidArgument("", rows_too_large(self.max_message_bytes, error.description)) from None
@@ -406,103 +390,27 @@ class EncoderParts:
             self._in_flight.release()
 
     async def check_model(self, wait_s: float) -> str:
-        """Asks the encoder which model it serves, for at most `wait_s` (it may still be loading), and
-        compares it with this decoder's. Returns a line for the log saying what was found; raises
-        EncoderMismatch naming both models."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        while (remaining_s := deadline - loop.time()) > 0:
-            try:
-                call = self.client.stub.GetModelInfo(
-                    encoder_pb2.EncoderGetModelInfoRequest(), timeout=remaining_s, wait_for_ready=True
-                )
-                info = await call
-                replica = replica_name.reported(await call.initial_metadata())
-            except grpc.aio.AioRpcError as error:
-                if error.code() == grpc.StatusCode.UNAVAILABLE:  # loading, or not listening yet
-                    await asyncio.sleep(min(CHECK_RETRY_S, max(0.0, deadline - loop.time())))
-                    continue
-                if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    break
-                # e.g. UNAUTHENTICATED: the encoder wants a token, which only a caller's call carries
-                return (
-                    f"encoder {self._who(error)} did not say which model it serves ({error.code().name}: "
-                    f"{error.details()}): checked at its first encoder part"
-                )
-            mismatch = self.model_check.info_mismatch(info, replica)
-            if mismatch is not None:
-                raise EncoderMismatch(mismatch)
-            self._model, self._embedder = info.model, info.embedder
-            who = replica_name.answering(self.address, replica)
-            if not info.HasField("token_table_sample") or self.model_check.table_sample is None:
-                return (
-                    f"encoder {who} serves {info.model!r} and reports no token table sample (a "
-                    "version before it did): which model it serves is not checked"
-                )
-            return f"encoder {who} serves {info.model!r}, this decoder's model"
-        return (
-            f"encoder {self.address} did not answer within {wait_s:g} s: which model it serves is "
-            "checked at its first encoder part"
-        )
+        """The encoder's model checked at start: `EncoderModel.check_model`."""
+        return await self.encoder_model.check_model(wait_s)
 
     async def _encoder_model(
         self, field: str, timeout_s: float, is_capped: bool, metadata: tuple[tuple[str, str | bytes], ...]
     ) -> str:
-        """The encoder's model name (every cache key holds it), asked until one of this decoder's model
-        answers, unless `check_model` had it; within `timeout_s` whoever else is asking. Raises
-        FailedPrecondition on `field` when the encoder that answered serves another model: the next
-        part asks again, since with several encoders balanced the next answer may be another's (each
-        reply is checked all the same)."""
-        if self._model is not None:
-            return self._model
+        """The encoder's model name (every cache key holds it): `EncoderModel.name`, its errors named
+        on `field`. FailedPrecondition when the encoder that answered serves another model."""
         token = tuple(value for name, value in metadata if name in FORWARDED_METADATA)
         try:
-            # Its own bound: a part joining a call that a part with more time started leaves at its own.
-            async with asyncio.timeout(timeout_s):
-                info, replica = await self._model_infos.fetch(
-                    token, timeout_s, lambda time_s: self._model_info(time_s, metadata), ran_out
-                )
+            return await self.encoder_model.name(token, timeout_s, metadata)
         except TimeoutError:  # this part's own time, the call perhaps running on for another's
             raise self._out_of_time(field, is_capped, "asked which model it serves") from None
         except grpc.aio.AioRpcError as error:
             if ran_out(error):
                 raise self._out_of_time(
-                    field, is_capped, "asked which model it serves", self._who(error)
+                    field, is_capped, "asked which model it serves", encoder_named(self.address, error)
                 ) from None
             raise self._error(error, field, is_capped) from None
-        mismatch = self.model_check.info_mismatch(info, replica)
-        if mismatch is not None:
-            raise FailedPrecondition(field, mismatch)
-        self._model, self._embedder = info.model, info.embedder
-        return self._model
-
-    async def _model_info(
-        self, timeout_s: float, metadata: tuple[tuple[str, str | bytes], ...]
-    ) -> tuple[encoder_pb2.EncoderGetModelInfoResponse, str | None]:
-        """The encoder's GetModelInfo reply, and the name of the replica that gave it, as it said."""
-        call = self.client.stub.GetModelInfo(
-            encoder_pb2.EncoderGetModelInfoRequest(), timeout=timeout_s, metadata=metadata
-        )
-        info = await call
-        return info, replica_name.reported(await call.initial_metadata())
-
-    def _check_model(
-        self,
-        reply: encoder_pb2.EmbedResponse,
-        offer: encoder_pb2.SharedMemoryOffer | None,
-        replica: str | None,  # the name of the replica that sent it, as it said: the refusal names it
-    ) -> None:
-        """Raises EncoderMismatch, naming both models, when `reply` is of another model than this
-        decoder's, releasing the segment it may have written (as a read would): its rows are never read.
-        A reply without a sample (an encoder from before replies carried one) passes: that encoder's
-        model was checked once, by GetModelInfo (`check_model`, `_encoder_model`), and never again."""
-        mismatch = self.model_check.reply_mismatch(reply, replica)
-        if mismatch is None:
-            return
-        if offer is not None:
-            with contextlib.suppress(OSError):  # not this decoder's to remove: the refusal stands
-                shared_memory.remove(self.shm_dir, offer.segment_name)
-        raise EncoderMismatch(mismatch)
+        except EncoderMismatch as error:
+            raise FailedPrecondition(field, str(error)) from None
 
     def _out_of_time(self, field: str, is_capped: bool, doing: str, who: str | None = None) -> TandemError:
         """A call to the encoder (`who`, the replica that took it where known) that ran out of time while
@@ -524,12 +432,6 @@ class EncoderParts:
             return Unavailable(f"{field}: {limit} was full for {MAX_FETCH_S:g} s ({held})")
         return DeadlineExceeded(f"{field}: the deadline passed while {limit} was full ({held})")
 
-    def _who(self, error: grpc.aio.AioRpcError) -> str:
-        """The encoder to name for `error`: the replica that took the call, where it said so (as the call
-        began, before any work: a hung one too); else the address as configured, all of them where
-        several (none answered: every one unreachable, or one from before replicas said)."""
-        return replica_name.answering(self.address, replica_name.reported(error.initial_metadata()))
-
     def _error(
         self, error: grpc.aio.AioRpcError, field: str, is_capped: bool, sent: str | None = None
     ) -> TandemError:
@@ -539,7 +441,7 @@ class EncoderParts:
         encoder's own (its ErrorInfo when full, its RetryInfo bounded, its BadRequest field within `sent`
         under the part's: `encoder_refusal.py`): they were dropped, the field left in the message alone."""
         code, details = error.code(), error.details() or ""
-        who = self._who(error)
+        who = encoder_named(self.address, error)
         said = status_details(error)
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
             return refused(code, field, sent, details, said)
