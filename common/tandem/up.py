@@ -1,8 +1,8 @@
 """`tandem up`: the encoder and the decoder in the foreground, from one command.
 
 Each service is a child process running `python -m tandem.cli serve <service> FLAGS`, the same
-`tandem serve <service> FLAGS` the container image runs: `serve_command` builds it, and a test
-checks docker-compose.yml against it. The children's output is relayed line by line with a
+`tandem serve <service> FLAGS` the container image runs: `serve_command` (up_commands.py) builds it,
+and a test checks docker-compose.yml against it. The children's output is relayed line by line with a
 `[encoder] ` / `[decoder] ` prefix (their stdout to ours, their stderr to ours).
 
 Once every service serves (health SERVING; the gateway's /health 200), `up` says so once: "[up] ready:
@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -50,124 +48,22 @@ from tandem.common.flags import (
     run,
     server_security_settings,
 )
-from tandem.common.listening import asyncio_plan, check_port_free, listen_host
+from tandem.common.listening import asyncio_plan, check_port_free
 from tandem.common.server import DEFAULT_GRACE_S, TlsOptions
-from tandem.common.torch_part.quantized_tensor import SCHEMES
 from tandem.decoder.config import QUANTIZATIONS
+from tandem.up_commands import (
+    gateway_command,
+    in_service_environment,
+    ready_targets,
+    serve_command,
+    service_argv,
+    service_environment,
+)
+from tandem.up_config import SECURITY_FIELDS, STOP_MARGIN_S, UpConfig, services
 
-SERVICES = ("encoder", "decoder")
 DEFAULT_DTYPE = "bfloat16"  # both services' own default, for what `up` checks before they start
 ENV_PREFIX = "TANDEM_UP_"
 PROG = "tandem up"
-# After the grace period: time for the services to end their aborted streams, flush their spans and
-# exit, before `up` kills them. Compose's stop_grace_period and Kubernetes' terminationGracePeriodSeconds
-# are --grace-s plus this too (tests check both).
-STOP_MARGIN_S = 15.0
-SECURITY_FIELDS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
-
-
-@dataclass(frozen=True)
-class UpConfig:
-    model_dir: Path | None  # checkpoint directory or .gguf file for both; None = the default model
-    host: str  # listen address of both services
-    encoder_port: int
-    decoder_port: int
-    dtype: str | None  # passed to both; None leaves each service its own default
-    world_size: int | None  # decoder ranks (neuron: devices); None leaves the decoder its default
-    device: str | None = None  # the decoder's --device (the encoder stays on the CPU); None: its default
-    quantization: str = "none"  # the decoder's --quantization (and the encoder's, for int8 / int4)
-    quantization_group_size: int | None = None  # int4: the decoder's; None leaves its default
-    grace_s: float = DEFAULT_GRACE_S  # both services' drain time; `up` kills STOP_MARGIN_S after it
-    tls_cert: Path | None = None  # both services: TLS server certificate (PEM); None = plaintext
-    tls_key: Path | None = None  # both services: its private key
-    tls_client_ca: Path | None = None  # both services: mutual TLS, the CA client certificates need
-    auth_token_file: Path | None = None  # both services: accepted bearer tokens, one per line
-    openai_port: int | None = None  # the OpenAI HTTP gateway's port; None: no gateway
-
-    def __post_init__(self) -> None:
-        for name in ("encoder_port", "decoder_port"):
-            if not 0 < getattr(self, name) <= 65535:
-                raise ConfigError(name, f"must be in 1..65535, got {getattr(self, name)}")
-        if self.openai_port is not None and not 0 < self.openai_port <= 65535:
-            raise ConfigError("openai_port", f"must be in 1..65535, got {self.openai_port}")
-        if self.openai_port in (self.encoder_port, self.decoder_port):
-            raise ConfigError("openai_port", f"must differ from the services' ports, got {self.openai_port}")
-        if self.openai_port is not None and self.tls_cert is not None:
-            raise ConfigError(
-                "openai_port",
-                ": the gateway under `up` reaches the services in plaintext; with TLS, start "
-                "`tandem serve openai --upstream-tls-ca ...` yourself",
-            )
-        if self.encoder_port == self.decoder_port:
-            raise ConfigError(
-                "decoder_port", f"must differ from --encoder-port, both are {self.decoder_port}"
-            )
-        # NaN passed `< 0`: the services refused it only once started, and `up` then killed them at once.
-        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
-            raise ConfigError("grace_s", f"must be a finite number of seconds, 0 or more, got {self.grace_s}")
-
-    @property
-    def kill_after_s(self) -> float:
-        return self.grace_s + STOP_MARGIN_S
-
-
-def services(config: UpConfig) -> tuple[str, ...]:
-    return (*SERVICES, "openai") if config.openai_port is not None else SERVICES
-
-
-def serve_command(service: str, config: UpConfig) -> list[str]:
-    """`serve <service> FLAGS`: what follows `tandem` here and in docker-compose.yml's `command`."""
-    if service == "openai":
-        return _gateway_command(config)
-    port = {"encoder": config.encoder_port, "decoder": config.decoder_port}[service]
-    argv = ["serve", service]
-    if config.model_dir is not None:
-        argv += ["--model", str(config.model_dir)]
-    argv += ["--host", config.host, "--port", str(port)]
-    if config.dtype is not None:
-        argv += ["--dtype", config.dtype]
-    if service == "decoder" and config.world_size is not None:
-        argv += ["--world-size", str(config.world_size)]
-    if service == "decoder" and config.device is not None:
-        argv += ["--device", config.device]
-    # The encoder rounds its lookup table as the decoder rounds the model's (int8, int4); a GGUF
-    # file's own weights need nothing of it: the imported table holds the file's values.
-    if config.quantization != "none" and (service == "decoder" or config.quantization in SCHEMES):
-        argv += ["--quantization", config.quantization]
-    if service == "decoder" and config.quantization_group_size is not None:
-        argv += ["--quantization-group-size", str(config.quantization_group_size)]
-    argv += ["--grace-s", f"{config.grace_s:g}"]
-    if service == "decoder" and config.tls_cert is None:
-        # Encoder parts: the decoder fetches their rows itself, over /dev/shm on this one host. (Its
-        # channel to the encoder speaks plaintext: with TLS the decoder takes no encoder parts.)
-        argv += ["--encoder", f"{_local(config.host)}:{config.encoder_port}"]
-    for name in SECURITY_FIELDS:
-        path = getattr(config, name)
-        if path is not None:
-            argv += ["--" + name.replace("_", "-"), str(path)]
-    return argv
-
-
-def _gateway_command(config: UpConfig) -> list[str]:
-    """The gateway in front of both services, with their token file (it passes callers' tokens on)."""
-    host = _local(config.host)
-    argv = ["serve", "openai", "--host", config.host, "--port", str(config.openai_port)]
-    argv += [
-        "--decoder-address",
-        f"{host}:{config.decoder_port}",
-        "--encoder-address",
-        f"{host}:{config.encoder_port}",
-        "--grace-s",
-        f"{config.grace_s:g}",
-    ]
-    if config.auth_token_file is not None:
-        argv += ["--auth-token-file", str(config.auth_token_file)]
-    return argv
-
-
-def _local(host: str) -> str:
-    """Where a service listening on `host` is reached from this host (an IPv6 address in brackets)."""
-    return "127.0.0.1" if host in ("0.0.0.0", "::") else listen_host(host)
 
 
 def command() -> click.Command:
@@ -335,7 +231,7 @@ def check_decoder_fits(config: UpConfig, model_dir: Path) -> None:
     )
     # The context served is the decoder's own setting (TANDEM_MAX_MODEL_LEN, a device's cap): its
     # config as the child will build it from the same flags and the same environment.
-    with _service_environment():
+    with in_service_environment():
         served = decoder_config(serve_command("decoder", config)[2:]).engine
     check_sliding_window(served, model_config)
 
@@ -364,7 +260,7 @@ def check_encoder_config(config: UpConfig, model_dir: Path) -> None:
     from tandem.encoder.__main__ import check_start
     from tandem.encoder.__main__ import config_from_args as encoder_config
 
-    with _service_environment():
+    with in_service_environment():
         encoder = encoder_config(serve_command("encoder", config)[2:])
     check_start(dataclasses.replace(encoder, model_dir=model_dir))
 
@@ -380,8 +276,8 @@ def check_gateway_config(config: UpConfig) -> None:
     from tandem.gateway.__main__ import config_from_args as gateway_config
     from tandem.gateway.connections import check_descriptors
 
-    with _service_environment():
-        gateway = gateway_config(_gateway_command(config)[2:])
+    with in_service_environment():
+        gateway = gateway_config(gateway_command(config)[2:])
     check_descriptors(gateway.max_connections, gateway.max_idle_channels)
 
 
@@ -463,35 +359,6 @@ def _stop_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-# The services' own variables for what `up` decides for both (docs/CONFIGURATION.md): the model, its
-# dtype, device, ranks and rounding. `up` passes each only when given, and its pre-checks read its own
-# values (defaults otherwise): a TANDEM_MODEL or TANDEM_QUANTIZATION left in the environment would have
-# the decoder run another model, or round it otherwise, than what was checked and than the encoder.
-DECODER_OWNED = ("MODEL", "DTYPE", "DEVICE", "WORLD_SIZE", "QUANTIZATION", "QUANTIZATION_GROUP_SIZE")
-ENCODER_OWNED = ("MODEL", "DTYPE", "QUANTIZATION")  # the encoder has no device, ranks or group size
-OWNED_VARIABLES = (*(f"TANDEM_{n}" for n in DECODER_OWNED), *(f"TANDEM_ENCODER_{n}" for n in ENCODER_OWNED))
-
-
-def service_environment() -> dict[str, str]:
-    """The environment each service starts with: `up`'s own, less the variables for settings `up`
-    decides, output unbuffered for the relays."""
-    env = {k: v for k, v in os.environ.items() if k not in OWNED_VARIABLES}
-    return {**env, "PYTHONUNBUFFERED": "1"}
-
-
-@contextlib.contextmanager
-def _service_environment() -> Iterator[None]:
-    """os.environ as a service will see it, for parsing its config here (before any thread starts)."""
-    saved, service = dict(os.environ), service_environment()
-    os.environ.clear()
-    os.environ.update(service)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 class _Child:
     """One service process and the two threads relaying its output."""
 
@@ -571,23 +438,6 @@ def run_services(config: UpConfig) -> int:
                 child.process.wait()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def service_argv(service: str, config: UpConfig) -> list[str]:
-    """The child process that runs `service`: `tandem serve <service> FLAGS` in this Python."""
-    return [sys.executable, "-m", "tandem.cli", *serve_command(service, config)]
-
-
-def ready_targets(config: UpConfig) -> dict[str, str]:
-    """What each service is, by the target `tandem wait` (and `up` itself) probes it at."""
-    host = _local(config.host)
-    targets = {
-        "the encoder": f"{host}:{config.encoder_port}",
-        "the decoder": f"{host}:{config.decoder_port}",
-    }
-    if config.openai_port is not None:
-        targets["the OpenAI API"] = f"http://{host}:{config.openai_port}/health"
-    return targets
 
 
 def _announce_ready(config: UpConfig, stopping: threading.Event) -> None:

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from common.tests.ports import free_port
-from tandem import up
+from tandem import up, up_commands
 from tandem.client.errors import ConfigError
-from tandem.up import UpConfig
+from tandem.up_config import UpConfig
 
 
 def _config(model_dir: Path, host: str = "127.0.0.1", **fields: object) -> UpConfig:
@@ -93,9 +93,9 @@ def test_a_grace_that_is_not_a_finite_number_of_seconds_is_refused(
 def test_the_services_are_reached_at_an_ipv6_host_in_brackets(tiny_model_dir: Path) -> None:
     """ "::1:50781" was no address the decoder's --encoder or `tandem wait` could use."""
     config = _config(tiny_model_dir, host="::1")
-    assert up.ready_targets(config)["the encoder"] == "[::1]:50781"
-    assert "[::1]:50781" in up.serve_command("decoder", config)
-    assert up.ready_targets(_config(tiny_model_dir, host="::"))["the decoder"] == "127.0.0.1:50782"
+    assert up_commands.ready_targets(config)["the encoder"] == "[::1]:50781"
+    assert "[::1]:50781" in up_commands.serve_command("decoder", config)
+    assert up_commands.ready_targets(_config(tiny_model_dir, host="::"))["the decoder"] == "127.0.0.1:50782"
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from tandem.common.server import DEFAULT_GRACE_S
-from tandem.up import STOP_MARGIN_S, UpConfig, serve_command
+from tandem.up_commands import serve_command
+from tandem.up_config import STOP_MARGIN_S, UpConfig
 from tests.integration.test_images import dockerfile, dockerfile_instructions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

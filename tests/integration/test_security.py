@@ -35,7 +35,8 @@ from tandem.common.server import ServerOptions, TlsOptions, start_server
 from tandem.decoder.api.main import config_from_args as decoder_config
 from tandem.decoder.models.loader import LoadedModel
 from tandem.encoder.__main__ import config_from_args as encoder_config
-from tandem.up import UpConfig, serve_command
+from tandem.up_commands import serve_command
+from tandem.up_config import UpConfig
 from tests.integration.reliability.harness import Services
 from tests.integration.test_images import dockerfile_healthcheck_command
 

@@ -23,7 +23,9 @@ from tandem import cli
 from tandem.client.errors import ConfigError
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.common.torch_part.random_model import make_model, train_tokenizer
-from tandem.up import UpConfig, check_decoder_fits, serve_command
+from tandem.up import check_decoder_fits
+from tandem.up_commands import serve_command
+from tandem.up_config import UpConfig
 from tests.integration.test_images import dockerfile_healthcheck_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -389,7 +391,7 @@ def test_a_window_narrower_than_the_context_is_one_line_naming_the_decoders_flag
 
 
 def test_openai_port_adds_the_gateway_in_front_of_both_services() -> None:
-    from tandem.up import services
+    from tandem.up_config import services
 
     config = UpConfig(None, "0.0.0.0", 50051, 50052, None, None, openai_port=8000)
     assert services(config) == ("encoder", "decoder", "openai")

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from tandem.common.server import DEFAULT_GRACE_S
-from tandem.up import STOP_MARGIN_S, UpConfig, serve_command
+from tandem.up_commands import serve_command
+from tandem.up_config import STOP_MARGIN_S, UpConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO_ROOT / "deploy" / "kubernetes"
