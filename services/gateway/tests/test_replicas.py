@@ -25,7 +25,8 @@ from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.gateway.callers import CallerChannels, decoder_channels, model_check_metadata
 from tandem.gateway.config import GatewayConfig
-from tandem.gateway.replicas import Replicas, name_of, resolve_name, static_replicas
+from tandem.gateway.replica_addresses import name_of, resolve_name, static_replicas
+from tandem.gateway.replicas import Replicas
 
 from .fake_decoder import FakeDecoder
 from .live_gateway import live_gateway
@@ -448,8 +449,8 @@ async def test_a_stopped_replica_whose_watch_stays_open_is_left_within_seconds_a
     to its caller's timeout, until gRPC's keepalive gave up on the connection (60-80 s). A Check
     while the Watch is open, unanswered in CHECK_TIMEOUT_S, takes it out; its answer puts it back.
     (2 s and 2 s in the gateway; 0.05 s and 0.5 s here: a live replica's Check on loaded cores.)"""
-    monkeypatch.setattr("tandem.gateway.replicas.CHECK_INTERVAL_S", 0.05)
-    monkeypatch.setattr("tandem.gateway.replicas.CHECK_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("tandem.gateway.replica_health.CHECK_INTERVAL_S", 0.05)
+    monkeypatch.setattr("tandem.gateway.replica_health.CHECK_TIMEOUT_S", 0.5)
     health, stopped = stoppable
     live = f"127.0.0.1:{replicas[0][1].port}"
     watched = Replicas(f"{stopped},{live}", grpc.aio.insecure_channel, "tandem.v1.Decoder")
@@ -470,8 +471,8 @@ async def test_the_only_serving_replica_whose_check_is_late_stays_a_target(
     """A late Check of the one replica that serves (a decoder's loop held a few seconds) keeps it:
     taken out, the gateway answered 503 to calls its decoder would have answered late (50 of 70 over a
     decoder frozen 3.5 s of every 4.5 s). Its Watch or a Check saying NOT_SERVING still takes it out."""
-    monkeypatch.setattr("tandem.gateway.replicas.CHECK_INTERVAL_S", 0.02)
-    monkeypatch.setattr("tandem.gateway.replicas.CHECK_TIMEOUT_S", 0.05)
+    monkeypatch.setattr("tandem.gateway.replica_health.CHECK_INTERVAL_S", 0.02)
+    monkeypatch.setattr("tandem.gateway.replica_health.CHECK_TIMEOUT_S", 0.05)
     health, only = stoppable
     watched = Replicas(only, grpc.aio.insecure_channel, "tandem.v1.Decoder")
     watched.start()
@@ -490,8 +491,8 @@ async def test_of_two_replicas_whose_checks_are_late_one_stays_a_target(
 ) -> None:
     """Both replicas late: the first found late is left while the other serves, the other is then the
     only one serving and stays: callers are never refused for late Checks alone."""
-    monkeypatch.setattr("tandem.gateway.replicas.CHECK_INTERVAL_S", 0.02)
-    monkeypatch.setattr("tandem.gateway.replicas.CHECK_TIMEOUT_S", 0.05)
+    monkeypatch.setattr("tandem.gateway.replica_health.CHECK_INTERVAL_S", 0.02)
+    monkeypatch.setattr("tandem.gateway.replica_health.CHECK_TIMEOUT_S", 0.05)
     servers, addresses, healths = [], [], []
     for _ in range(2):
         health = StoppableHealth()
@@ -524,7 +525,7 @@ async def test_a_replica_at_its_bound_of_calls_is_not_taken_out_by_its_refused_c
 ) -> None:
     """A replica busy up to its max_concurrent_rpcs refuses a Check RESOURCE_EXHAUSTED: alive, so it
     stays a target, as its Watch says."""
-    monkeypatch.setattr("tandem.gateway.replicas.CHECK_INTERVAL_S", 0.02)
+    monkeypatch.setattr("tandem.gateway.replica_health.CHECK_INTERVAL_S", 0.02)
     health, busy = stoppable
     health.is_busy = True
     live = f"127.0.0.1:{replicas[0][1].port}"

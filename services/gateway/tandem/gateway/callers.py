@@ -41,9 +41,10 @@ from tandem.client.channel import open_channel
 from tandem.client.errors import Unavailable
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.gateway.config import GatewayConfig
+from tandem.gateway.replica_addresses import name_of
 from tandem.gateway.replica_channel import open_replica_channel
 from tandem.gateway.replica_model import ReplicaModel
-from tandem.gateway.replicas import Replicas, name_of
+from tandem.gateway.replicas import Replicas
 
 MODEL_TIMEOUT_S = 10.0  # a replica's model asked as it turns SERVING; unanswered, it is not checked
 DECODER_SERVICE = "tandem.v1.Decoder"  # its health status is what the replicas are watched for

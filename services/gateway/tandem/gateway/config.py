@@ -10,7 +10,7 @@ from tandem.client.errors import ConfigError
 from tandem.common.cpus import available_cpus
 from tandem.common.memory_limit import MemoryLimit, memory_limit
 from tandem.common.server import DEFAULT_GRACE_S
-from tandem.gateway.replicas import name_of
+from tandem.gateway.replica_addresses import name_of
 
 DEFAULT_PORT = 8000  # vLLM's and SGLang's OpenAI port
 MIB = 1024 * 1024

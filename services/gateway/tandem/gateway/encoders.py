@@ -38,9 +38,10 @@ from tandem.client.errors import Unavailable
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.encoder_info import Answering
+from tandem.gateway.replica_addresses import name_of
 from tandem.gateway.replica_channel import open_replica_channel
 from tandem.gateway.replica_model import ReplicaModel
-from tandem.gateway.replicas import Replicas, name_of
+from tandem.gateway.replicas import Replicas
 
 if TYPE_CHECKING:  # OpenTelemetry is optional
     from tandem.client.telemetry import Telemetry

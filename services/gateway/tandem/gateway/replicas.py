@@ -78,36 +78,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.client.addresses import dns_name
-from tandem.client.channel import channel_target
+from tandem.gateway.replica_addresses import name_of, resolve_name, static_replicas
+from tandem.gateway.replica_health import MAX_RETRY_S, MIN_RETRY_S, watch_health
 from tandem.gateway.replica_model import ReplicaModel, choose_model
 
 log = logging.getLogger(__name__)
 
 RESOLVE_INTERVAL_S = 5.0  # a dns: name is looked up again this often: replicas come and go
-# A Watch that ended, was refused or said the replica does not serve is asked again after this,
-# doubling up to MAX_RETRY_S while the replica does not serve. A refused one leaves the replica's
-# health to Check (unbounded). One that says NOT_SERVING is ended at once: a draining server's stop
-# waits for every stream it holds, a Watch too, so a gateway that kept watching held every decoder's
-# drain for its whole --grace-s (gRPC's own health checking lets go as the drain's GOAWAY comes).
-MIN_RETRY_S, MAX_RETRY_S = 0.2, 5.0
-# A Check is answered at once by a live server; one that has not answered in this long (a process
-# stopped or its loop held) is counted not serving until a later Watch or Check says it serves, where
-# another replica serves (see `_late_check`).
-CHECK_TIMEOUT_S = 2.0
-# While a Watch is open the replica is also asked by Check this often: a process stopped (SIGSTOP, a
-# frozen VM) leaves its Watch open and says nothing, and its connection is found dead only by keepalive
-# (30 s + 10 s then, so it kept half of all new calls for 60-80 s; 2 s + 3 s now, `replica_channel.py`):
-# where another replica serves, a late Check takes it out sooner.
-CHECK_INTERVAL_S = 2.0
 # Asks of a replica's model failing this long (a replica that said one before) make it not checked (NOTE):
 # past a restart's load and a busy replica's answer, well within a deployer's patience for a 503.
 UNCHECKED_AFTER_S = 15.0
@@ -115,50 +98,6 @@ UNCHECKED_AFTER_S = 15.0
 CONFIGURATION_REFUSALS = frozenset(
     {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED}
 )
-
-SERVING = health_pb2.HealthCheckResponse.SERVING
-
-
-def static_replicas(address: str) -> tuple[str, ...] | None:
-    """The replicas of a list of addresses, each "ip:port" (host names resolved once, as the clients
-    do); None for a `dns:` name (`name_of`). Raises ValueError for an address it cannot use."""
-    target, _ = channel_target(address)
-    if target.startswith("dns:"):
-        return None
-    scheme, _, servers = target.partition(":")
-    return tuple(servers.split(",")) if scheme in ("ipv4", "ipv6") else (target,)
-
-
-def name_of(address: str) -> str | None:
-    """The "host:port" a `dns:` address names, read as gRPC reads it (`dns_name`): `dns:host:port`,
-    `dns:///host:port`, the port 443 where none is written; None for another address. Raises
-    ValueError for `dns://server/host:port`, which names a DNS server to ask: the gateway looks
-    replicas up with the system's resolver, and would watch other replicas than the name's."""
-    name = dns_name(address)
-    if name is None:
-        return None
-    if name.resolver:
-        raise ValueError(
-            f"address {address!r}: names a DNS server ({name.resolver}); the gateway resolves names "
-            f"with the system's resolver: write dns:///{address.removeprefix('dns://').partition('/')[2]}"
-        )
-    return name.host_port
-
-
-async def resolve_name(name: str) -> tuple[str, ...]:
-    """Every server `name` ("host:port") resolves to, as "ip:port": IPv4 where it has any, else IPv6.
-    One family because each caller's channel is opened over a static list, `ipv4:` or `ipv6:`
-    (`channel_target`), which holds one; gRPC's own dns resolver would balance over both.
-    Raises OSError when it does not resolve."""
-    host, _, port = name.rpartition(":")
-    infos = await asyncio.get_running_loop().getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-    found = {info[0]: [] for info in infos}
-    for family, *_, sockaddr in infos:
-        ip = sockaddr[0]
-        server = f"{ip}:{port}" if family == socket.AF_INET else f"[{ip}]:{port}"
-        if server not in found[family]:
-            found[family].append(server)
-    return tuple(found.get(socket.AF_INET) or found.get(socket.AF_INET6) or ())
 
 
 class Replicas:
@@ -496,43 +435,18 @@ class Replicas:
     async def _watch(self, replica: str) -> None:
         channel = self._open_channel(replica)
         self._channels[replica] = channel
-        stub = health_pb2_grpc.HealthStub(channel)
-        request = health_pb2.HealthCheckRequest(service=self.service)
-        retry_s = MIN_RETRY_S
         try:
-            while True:
-                watch = stub.Watch(request)
-                checking = self._task(self._check_while_watched(replica, stub, request))
-                try:
-                    async for reply in watch:
-                        self._set(replica, reply.status == SERVING)
-                        if reply.status != SERVING:
-                            break  # a drain waits for it: see MIN_RETRY_S
-                        retry_s = MIN_RETRY_S
-                except grpc.aio.AioRpcError:
-                    checking.cancel()
-                    self._set(replica, await self._check(stub, request) is True)
-                finally:
-                    watch.cancel()
-                    checking.cancel()
-                await asyncio.sleep(retry_s)
-                retry_s = min(2 * retry_s, MAX_RETRY_S)
+            await watch_health(
+                channel,
+                self.service,
+                on_status=lambda is_serving: self._set(replica, is_serving),
+                late=lambda: self._late_check(replica),
+                spawn=self._task,
+            )
         finally:
             if self._channels.get(replica) is channel:
                 del self._channels[replica]
             await channel.close()
-
-    async def _check_while_watched(
-        self, replica: str, stub: health_pb2_grpc.HealthStub, request: health_pb2.HealthCheckRequest
-    ) -> None:
-        """Checks `replica` every CHECK_INTERVAL_S while its Watch is open: one that stops answering
-        is counted not serving within CHECK_INTERVAL_S + CHECK_TIMEOUT_S, and serving again as it
-        answers (its Watch, open all along, says nothing new)."""
-        while True:
-            await asyncio.sleep(CHECK_INTERVAL_S)
-            is_serving = await self._check(stub, request, late=lambda: self._late_check(replica))
-            if is_serving is not None:
-                self._set(replica, is_serving)
 
     def _late_check(self, replica: str) -> bool | None:
         """What a Check of `replica` unanswered in CHECK_TIMEOUT_S, its Watch open, counts for: not
@@ -546,26 +460,7 @@ class Replicas:
         them 503). A stopped one is told from a held one by ping: its Watch's connection, pinged every
         2 s (`replica_channel.py`), closes within 5 s, while gRPC's threads answer a held loop's pings.
         Definite states take it out at once: NOT_SERVING, a Watch that ends or fails (a killed or
-        stopped process, a drain's GOAWAY), a connection that fails or never sends SETTINGS (`_watch`)."""
+        stopped process, a drain's GOAWAY), a connection that fails or never sends SETTINGS
+        (`watch_health`)."""
         others = (other for other, is_serving in self._is_serving.items() if is_serving and other != replica)
         return False if any(self._fits(other) for other in others) else None
-
-    @staticmethod
-    async def _check(
-        stub: health_pb2_grpc.HealthStub,
-        request: health_pb2.HealthCheckRequest,
-        late: Callable[[], bool | None] = lambda: False,
-    ) -> bool | None:
-        """Whether the replica serves, by Check: a Watch refused (its address's share taken, by
-        others behind the gateway's address) or ended still leaves the replica's health known.
-        None: not known, the server at its bound of calls; unanswered in CHECK_TIMEOUT_S, what `late()`
-        says as the time runs out (`_late_check`)."""
-        try:
-            reply = await stub.Check(request, timeout=CHECK_TIMEOUT_S)
-        except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                return late()
-            # A server at its bound of calls (max_concurrent_rpcs) answers RESOURCE_EXHAUSTED: it is
-            # alive and busy, not stopped; taking it out for that would flap a loaded replica.
-            return None if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else False
-        return reply.status == SERVING
