@@ -15,21 +15,18 @@ with FINISH_REASON_ABORTED), and `up` kills what is left only STOP_MARGIN_S afte
 a session of their own, so a Ctrl-C in the terminal reaches `up` alone and each service sees one
 SIGTERM. `up` exits 0 if both stopped in time; if either service exits on its own, the other is
 stopped the same way and `up` exits 1.
+
+Here: the command, its flags and what it checks before anything starts. up_config.py holds the
+settings, up_commands.py what each child runs, up_processes.py the children, their output and the stop.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import signal
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import click
 
@@ -51,15 +48,9 @@ from tandem.common.flags import (
 from tandem.common.listening import asyncio_plan, check_port_free
 from tandem.common.server import DEFAULT_GRACE_S, TlsOptions
 from tandem.decoder.config import QUANTIZATIONS
-from tandem.up_commands import (
-    gateway_command,
-    in_service_environment,
-    ready_targets,
-    serve_command,
-    service_argv,
-    service_environment,
-)
-from tandem.up_config import SECURITY_FIELDS, STOP_MARGIN_S, UpConfig, services
+from tandem.up_commands import gateway_command, in_service_environment, serve_command
+from tandem.up_config import SECURITY_FIELDS, STOP_MARGIN_S, UpConfig
+from tandem.up_processes import label, run_services, say
 
 DEFAULT_DTYPE = "bfloat16"  # both services' own default, for what `up` checks before they start
 ENV_PREFIX = "TANDEM_UP_"
@@ -199,7 +190,7 @@ def import_once(config: UpConfig) -> Path:
     """
     from tandem.common.torch_part.model_cache import resolve_model
 
-    return resolve_model(config.model_dir, config.dtype or DEFAULT_DTYPE, say=_say)
+    return resolve_model(config.model_dir, config.dtype or DEFAULT_DTYPE, say=say)
 
 
 def check_decoder_fits(config: UpConfig, model_dir: Path) -> None:
@@ -286,7 +277,7 @@ def _service_flag_error(up: click.Command, error: ConfigError, service: str) -> 
     variable, which `up` leaves to it: `the decoder's --max-model-len (TANDEM_MAX_MODEL_LEN)`."""
     if any(isinstance(p, Setting) and error.field in (p.field, p.name) for p in up.params):
         return flag_error(up, error)
-    return FlagError(f"the {_label(service)}'s {flag_error(_service_command(service), error).message}")
+    return FlagError(f"the {label(service)}'s {flag_error(_service_command(service), error).message}")
 
 
 def _service_command(service: str) -> click.Command:
@@ -312,176 +303,7 @@ def _service_usage_error(up: click.Command, error: click.UsageError, service: st
     ours = next((p for p in up.params if param is not None and p.name == param.name), None)
     if ours is not None and isinstance(error, click.BadParameter):
         return FlagError(f"{describe(ours)}: {error.message}")
-    return FlagError(f"the {_label(service)}'s {error_line(error)}")
-
-
-_output_lock = threading.Lock()
-
-
-def _label(service: str) -> str:
-    """A child as `up`'s own lines name it ("the openai stopped" read as a typo)."""
-    return "OpenAI gateway" if service == "openai" else service
-
-
-def _say(message: str) -> None:
-    _write(sys.stdout, f"[up] {message}\n")
-
-
-def _write(stream: TextIO, text: str) -> None:
-    """Writes `text`, or nothing once the reader is gone: `up 2>&1 | head -3` closed the pipe, and the
-    BrokenPipeError of the next line raised out of the stop (both services were killed, no drain, exit
-    1) and ended the relays, so a child logging more than a pipe holds would block. An output error
-    never changes the stop: the stream's descriptor is pointed at /dev/null, the relays keep draining
-    the children into it, and Python's flush at exit finds nothing to complain of."""
-    with _output_lock:
-        try:
-            stream.write(text)
-            stream.flush()
-        except OSError:  # EPIPE, or EIO from a terminal that went away: the same, nobody reads
-            _discard(stream)
-
-
-def _discard(stream: TextIO) -> None:
-    """Sends what is still buffered and all later writes of `stream` to /dev/null (Python's own advice
-    for EPIPE, docs.python.org/3/library/signal.html#note-on-sigpipe)."""
-    with contextlib.suppress(OSError, ValueError):  # ValueError: no descriptor (a test's capture)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, stream.fileno())
-        os.close(devnull)
-
-
-def _stop_with_parent() -> None:
-    """In the child, before exec: SIGTERM when `up` dies, even by SIGKILL, so no service is orphaned."""
-    if sys.platform == "linux":
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-class _Child:
-    """One service process and the two threads relaying its output."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        self.name = name
-        self.process = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            text=True,
-            errors="replace",
-            preexec_fn=_stop_with_parent,
-            start_new_session=True,  # a terminal's Ctrl-C reaches `up` only; `up` sends each one SIGTERM
-        )
-        self._relays = [
-            threading.Thread(target=self._relay, args=(self.process.stdout, sys.stdout), daemon=True),
-            threading.Thread(target=self._relay, args=(self.process.stderr, sys.stderr), daemon=True),
-        ]
-        for relay in self._relays:
-            relay.start()
-
-    def _relay(self, source: TextIO, sink: TextIO) -> None:
-        for line in source:
-            text = line.removesuffix("\n")
-            _write(sink, f"[{self.name}] {text}\n")
-
-    def terminate(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-
-    def finish_relay(self) -> None:
-        for relay in self._relays:
-            relay.join(timeout=2)
-
-
-def run_services(config: UpConfig) -> int:
-    """Start both services, wait for a signal or for one to exit, stop both. Returns the exit code."""
-    stop_signal: list[signal.Signals] = []
-    wake = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stop_signal.append(signal.Signals(signum))
-        wake.set()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    children: list[_Child] = []
-    stopping = threading.Event()
-    try:
-        for name in services(config):
-            argv = service_argv(name, config)
-            _say(f"starting the {_label(name)}: tandem {' '.join(serve_command(name, config))}")
-            children.append(_Child(name, argv, service_environment()))
-        threading.Thread(
-            target=_announce_ready, args=(config, stopping), name="up-ready", daemon=True
-        ).start()
-        died = None
-        while not stop_signal:
-            died = next((c for c in children if c.process.poll() is not None), None)
-            if died is not None:
-                break
-            wake.wait(0.2)
-        if died is not None and not stop_signal:
-            code = died.process.returncode
-            _say(f"the {_label(died.name)} exited on its own (code {code}): stopping the rest")
-        else:
-            which = "both" if len(children) == 2 else f"all {len(children)}"
-            _say(f"received {stop_signal[0].name}: stopping {which} (streams get {config.grace_s:g} s)")
-        stopping.set()
-        return _stop_all(children, config.kill_after_s, failed=died is not None and not stop_signal)
-    finally:
-        stopping.set()
-        for child in children:
-            if child.process.poll() is None:
-                child.process.kill()
-                child.process.wait()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _announce_ready(config: UpConfig, stopping: threading.Event) -> None:
-    """Says once, when every service serves, that they do, where, and how to stop them. With TLS the
-    probe would need the client's side of it, which `up` does not hold: it says how to wait instead."""
-    from tandem.readiness import Probe, is_http
-
-    targets = ready_targets(config)
-    if config.tls_cert is not None:
-        _say(
-            f"with TLS, readiness is not probed here: `tandem wait --tls-ca CA {' '.join(targets.values())}`"
-        )
-        return
-    # The gateway's /health answers 503 until the decoder serves: it is asked once both serve, not
-    # every 0.2 s of a start to be told so.
-    grpc_targets = [target for target in targets.values() if not is_http(target)]
-    http_targets = [target for target in targets.values() if is_http(target)]
-    for stage in (grpc_targets, http_targets):
-        probe = Probe(stage)
-        try:
-            if probe.wait(None, stopping):
-                return  # stopping before every one served
-        finally:
-            probe.close()
-    where = ", ".join(f"{name} on {target.replace('/health', '/v1')}" for name, target in targets.items())
-    _say(f"ready: {where}. Ctrl-C stops them (in the background: kill {os.getpid()})")
-
-
-def _stop_all(children: list[_Child], kill_after_s: float, failed: bool) -> int:
-    for child in children:
-        child.terminate()
-    deadline = time.monotonic() + kill_after_s
-    is_clean = not failed
-    for child in children:
-        try:
-            code = child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _say(f"the {_label(child.name)} did not stop within {kill_after_s:g} s: killing it")
-            child.process.kill()
-            code = child.process.wait()
-            is_clean = False
-        child.finish_relay()
-        _say(f"the {_label(child.name)} stopped (exit {code})")
-    return 0 if is_clean else 1
+    return FlagError(f"the {label(service)}'s {error_line(error)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

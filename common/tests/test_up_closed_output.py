@@ -1,8 +1,8 @@
 """`tandem up` whose reader left (`tandem up 2>&1 | head -3`): its output going nowhere never changes
 how it stops. The relays keep draining the children, and a SIGTERM still drains both and exits 0.
 
-The services are stand-ins (`service_argv` replaced) that log a burst larger than a pipe holds after
-the reader is gone and record the SIGTERM they were sent, so the test needs no model."""
+The services are stand-ins (up_processes' `service_argv` replaced) that log a burst larger than a
+pipe holds after the reader is gone and record the SIGTERM they were sent, so the test needs no model."""
 
 from __future__ import annotations
 
@@ -32,11 +32,12 @@ marker.write_text("logged, drained")
 # `up` itself, with the stand-ins for services and no readiness probe (nothing listens).
 _UP = """
 import sys
-from tandem import up
-up.service_argv = lambda name, config: [sys.executable, "-c", sys.argv[1], name, sys.argv[2]]
-up._announce_ready = lambda config, stopping: None
-config = up.UpConfig(None, "127.0.0.1", 50781, 50782, None, None, grace_s=5.0)
-sys.exit(up.run_services(config))
+from tandem import up_processes
+from tandem.up_config import UpConfig
+up_processes.service_argv = lambda name, config: [sys.executable, "-c", sys.argv[1], name, sys.argv[2]]
+up_processes._announce_ready = lambda config, stopping: None
+config = UpConfig(None, "127.0.0.1", 50781, 50782, None, None, grace_s=5.0)
+sys.exit(up_processes.run_services(config))
 """
 
 

@@ -14,8 +14,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tandem.up import _announce_ready
 from tandem.up_config import UpConfig
+from tandem.up_processes import _announce_ready
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
