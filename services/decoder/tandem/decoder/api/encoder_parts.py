@@ -94,26 +94,24 @@ from tandem.client.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
-    ResourceExhausted,
     TandemError,
     Unavailable,
 )
-from tandem.client.grpc_failures import GrpcsOwnWarnings
 from tandem.client.over_cap import over_cap
 from tandem.client.pb.tandem.v1 import encoder_pb2
-from tandem.client.status_details import status_details
 from tandem.common import replica_name
 from tandem.common.torch_part import shared_memory, tensors
 from tandem.common.torch_part.model_identity import read_table_sample
-from tandem.common.torch_part.prompt_parts import EncoderPrompt, PromptPart
+from tandem.common.torch_part.prompt_parts import EncoderPrompt
 from tandem.decoder.api.embed_replies import EmbedReplies, SegmentLost
 from tandem.decoder.api.embedding_cache import EmbeddingCache, cache_key
-from tandem.decoder.api.encoder_faults import NoPlace, encoder_named, is_grpcs_own, ran_out, unavailable
+from tandem.decoder.api.encoder_errors import EncoderErrors
+from tandem.decoder.api.encoder_faults import NoPlace, encoder_named, ran_out, unavailable
 from tandem.decoder.api.encoder_model import EncoderMismatch, EncoderModel
 from tandem.decoder.api.encoder_model_check import EncoderModelCheck
-from tandem.decoder.api.encoder_over_cap import description, rows_too_large
-from tandem.decoder.api.encoder_refusal import passed_on, refused
+from tandem.decoder.api.encoder_over_cap import rows_too_large
 from tandem.decoder.api.shared_fetches import SharedFetches
+from tandem.decoder.api.spec_encoder_parts import with_encoder_parts
 from tandem.decoder.api.trace_context import trace_context
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 
@@ -122,8 +120,6 @@ log = logging.getLogger(__name__)
 MAX_FETCH_S = 60.0  # an Embed call without a caller's deadline: a vision tower takes well under a second
 MAX_EMBEDS_IN_FLIGHT = 64  # Embed calls running at once, all requests together (see step 2)
 MAX_FETCHES_PER_CALL = 16  # of one Generate call's parts, fetching at once (see step 2)
-ENCODER_FULL_RETRY_S = 1.0  # an encoder's RESOURCE_EXHAUSTED with no RetryInfo of its own, passed on
-ENCODER_MAX_RETRY_S = 60.0  # an encoder's delay past this (or not above 0) is passed on as the 1 s
 FORWARDED_METADATA = ("authorization",)  # the caller's token: the encoder's per-token bounds see it
 # Embedders that tokenize with the checkpoint's own tokenizer, the decoder's: a part's unpooled rows are
 # one per position its input takes in the prompt (a soft prompt's virtual rows more). A projector
@@ -168,9 +164,7 @@ class EncoderParts:
         self.fetches: SharedFetches[torch.Tensor] = SharedFetches()
         self._in_flight = asyncio.Semaphore(MAX_EMBEDS_IN_FLIGHT)  # Embed calls running (step 2)
         self.num_refetched = 0  # fetched again by value: their segment was lost before it was read
-        # gRPC's own failures of Embed calls, logged once in a while for each encoder and code: `_error`
-        # runs once for each part waiting on a failed call, so a stopped encoder wrote one line per part.
-        self._grpcs_own_warnings = GrpcsOwnWarnings(log)
+        self.errors = EncoderErrors(address, max_message_bytes, log)
 
     async def close(self) -> None:
         self.replies.close()
@@ -206,7 +200,7 @@ class EncoderParts:
             to_fetch.append((part, field, rows))
             return part
 
-        fetching = _with_encoder_parts(spec, counted)
+        fetching = with_encoder_parts(spec, counted)
         if fetching is None:
             return spec, []
         if check is not None:
@@ -335,7 +329,7 @@ class EncoderParts:
             # More rows than this decoder's --max-message-bytes holds (an encoder allowed larger
             # messages, and shared memory passes gRPC's receive cap): the caller's input is too long,
             # which no retry mends, so INVALID_ARGUMENT on the caller's field, as rows sent as bytes
-            # over that cap are (`_error`).
+            # over that cap are (`encoder_errors.py`).
             raise InvalidArgument("", rows_too_large(self.max_message_bytes, error.description)) from None
         except InvalidArgument as error:
             # A reply wrong in itself (a segment this call did not ask for, rows past their segment, a
@@ -435,73 +429,12 @@ class EncoderParts:
     def _error(
         self, error: grpc.aio.AioRpcError, field: str, is_capped: bool, sent: str | None = None
     ) -> TandemError:
-        """The encoder's status as this call's: about the input the call sent (`sent`, EncoderInput's
-        case; None: it sent none), or about the encoder. `is_capped`: the call's time was this decoder's
-        MAX_FETCH_S, not the caller's deadline. The encoder's details go on with it where they are the
-        encoder's own (its ErrorInfo when full, its RetryInfo bounded, its BadRequest field within `sent`
-        under the part's: `encoder_refusal.py`): they were dropped, the field left in the message alone."""
-        code, details = error.code(), error.details() or ""
-        who = encoder_named(self.address, error)
-        said = status_details(error)
-        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-            return refused(code, field, sent, details, said)
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return self._out_of_time(field, is_capped, "embedded it", who)
-        if (over := over_cap(error)) is not None:
-            # The caller's input is too long, and no retry mends that. It was RESOURCE_EXHAUSTED
-            # "encoder ... is full", with a RetryInfo, where the same rows through shared memory were
-            # INVALID_ARGUMENT.
-            return InvalidArgument(field, description(over, self.max_message_bytes))
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            # The encoder's RetryInfo is its own word on when it has room; it was dropped, every one
-            # passed on as 1 s. One without (an encoder from before its bound on calls at once said one)
-            # gets the 1 s the gateway waits for that bound.
-            # Bounded as the gateway bounds a decoder's: a negative or huge delay is no advice to pass on.
-            delay_s = said.retry_delay_s
-            return ResourceExhausted(
-                f"{field}: encoder {who} is full: {details}",
-                ENCODER_FULL_RETRY_S
-                if delay_s is None or not 0 < delay_s <= ENCODER_MAX_RETRY_S
-                else delay_s,
-                info=passed_on(said.info),
-            )
-        if code == grpc.StatusCode.UNAVAILABLE and is_grpcs_own(error):
-            self._grpcs_own_warnings.warn(
-                who, code, f"an Embed call to encoder {who} failed: UNAVAILABLE: {details}"
-            )
-            return Unavailable(f"{field}: encoder {who} could not be reached (no connection, or it was lost)")
-        return Unavailable(f"{field}: encoder {who} is unavailable ({code.name}: {details})")
-
-
-def _with_encoder_parts(
-    spec: GenerateSpec, change: Callable[[EncoderPrompt, str], EncoderPrompt]
-) -> GenerateSpec | None:
-    """`spec` with `change(part, field)` in place of each encoder part, in the prompt's order; None
-    where it has none."""
-    has_any = False
-
-    def changed(part: PromptPart, field: str) -> PromptPart:
-        nonlocal has_any
-        if not isinstance(part, EncoderPrompt):
-            return part
-        has_any = True
-        return change(part, field)
-
-    prompt = [changed(part, f"prompt[{i}]") for i, part in enumerate(spec.prompt)]
-    chat = spec.chat
-    if chat is not None:
-        messages = [
-            dataclasses.replace(
-                message,
-                content=[
-                    changed(part, f"chat.messages[{i}].content[{j}]")
-                    for j, part in enumerate(message.content)
-                ],
-            )
-            for i, message in enumerate(chat.messages)
-        ]
-        chat = dataclasses.replace(chat, messages=messages)
-    return dataclasses.replace(spec, prompt=prompt, chat=chat) if has_any else None
+        """The encoder's status as this call's (`EncoderErrors.named`), but for DEADLINE_EXCEEDED: this
+        fetch's time ran out, and `is_capped` says whether it was this decoder's MAX_FETCH_S, not the
+        caller's deadline."""
+        if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return self._out_of_time(field, is_capped, "embedded it", encoder_named(self.address, error))
+        return self.errors.named(error, field, sent)
 
 
 def _cancel_unless_settled(rows: concurrent.futures.Future[torch.Tensor], task: asyncio.Task) -> None:
