@@ -85,6 +85,7 @@ from typing import Any
 import grpc
 
 from tandem.gateway.replica_addresses import name_of, resolve_name, static_replicas
+from tandem.gateway.replica_differences import how_moved, unlike
 from tandem.gateway.replica_health import MAX_RETRY_S, MIN_RETRY_S, watch_health
 from tandem.gateway.replica_model import ReplicaModel, choose_model
 
@@ -377,33 +378,19 @@ class Replicas:
         """How `replica`'s `model` differs from the gateway's, naming a replica that serves the latter."""
         assert self._model is not None  # `model` is not ours, so there is one
         ours = [r for r, m in self._models.items() if r != replica and m is not None and self._is_ours(m)]
-        them = f"{ours[0]} and {len(ours) - 1} more" if len(ours) > 1 else "".join(ours)
-        served_by = f" (served by {them})" if them else ""
-        difference = model.difference(self._model)
-        if difference == "model":
-            return f"serves model {model.name!r}, not {self._model.name!r}{served_by}"
-        if difference == "embedder":
-            return (
-                f"embeds for model {model.name!r} with a {model.embedder!r} embedder, not "
-                f"{self._model.embedder!r}{served_by}"
-            )
-        what = "token table samples" if difference == "token_table_sample" else "weight samples"
-        return (
-            f"serves model {model.name!r} from another checkpoint than {self._model.name!r}{served_by}: "
-            f"their {what} differ"
-        )
+        return unlike(model, self._model, ours)
 
     def _choose_model(self) -> None:
         """`model`: the one most watched replicas said last; on a tie the one served so far stays."""
         said = [self._said[replica] for replica in self._is_serving if replica in self._said]
         chosen = choose_model(said, self._model)
         if self._model is not None and chosen is not None and not chosen.is_same(self._model):
-            difference = chosen.difference(self._model)
-            how = "" if difference == "model" else " (another checkpoint)"
-            if difference == "embedder":
-                how = f" (a {chosen.embedder!r} embedder)"
             log.warning(  # each replica left behind is logged at ERROR by `_update`
-                "the %s replicas now serve model %r%s, not %r", self.kind, chosen.name, how, self._model.name
+                "the %s replicas now serve model %r%s, not %r",
+                self.kind,
+                chosen.name,
+                how_moved(chosen, self._model),
+                self._model.name,
             )
         self._model = chosen
 
