@@ -302,9 +302,9 @@ def test_a_path_whose_symlinks_walk_more_than_twice_the_longest_path_is_refused_
     adapter_dir(root / deep / "s9")
     adapter_root = AdapterRoot(root)
     assert adapter_root.find(f"{deep}/s7").found.directory == (*(["a"] * 500), "s9")
-    start = time.perf_counter()
+    start = time.thread_time()  # CPU time: a loaded host stretches the wall clock, not the work
     assert refusal(adapter_root, f"{deep}/s0").startswith("must name an adapter directory inside")
-    assert time.perf_counter() - start < 0.5
+    assert time.thread_time() - start < 0.5
 
 
 def test_a_resolved_path_over_path_max_below_the_root_is_refused(tmp_path: Path) -> None:
