@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -210,33 +211,22 @@ def test_an_encrypted_key_is_refused_without_asking_for_its_password(tmp_path: P
     assert refused.value.file is TlsFile.PRIVATE_KEY
 
 
-def test_the_key_is_checked_in_a_private_folder_removed_after_where_there_is_no_memfd(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def _memfd_refused(name: str, flags: int = 0) -> int:
+    raise PermissionError(errno.EPERM, "Operation not permitted")
+
+
+@pytest.mark.parametrize("memfd", [None, _memfd_refused], ids=["no memfd", "memfd refused"])
+def test_the_key_is_checked_in_a_private_folder_removed_after_where_memfd_is_missing_or_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, memfd: Callable[[str, int], int] | None
 ) -> None:
     """OpenSSL's key check takes paths only; memfd (Linux) keeps the bytes read in memory, elsewhere
-    they are written to a temporary folder of this process's, and removed."""
-    monkeypatch.delattr(os, "memfd_create")
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    chain, key = self_signed(tmp_path, "server")
-    _, other_key = self_signed(tmp_path, "other")
-    assert read_tls_files(chain, key, None).private_key == key.read_bytes()
-    with pytest.raises(TlsFileError, match=r"is not the private key of .* \(KEY_VALUES_MISMATCH\)$"):
-        read_tls_files(chain, other_key, None)
-    assert list(scratch.iterdir()) == []
-
-
-def test_the_key_is_checked_in_a_private_folder_where_memfd_is_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A seccomp filter may refuse memfd_create (EPERM) where os has it: the check was then a
-    PermissionError traceback, and a TLS server could not start."""
-
-    def refused(name: str, flags: int = 0) -> int:
-        raise PermissionError(errno.EPERM, "Operation not permitted")
-
-    monkeypatch.setattr(os, "memfd_create", refused)
+    they are written to a temporary folder of this process's, and removed. A seccomp filter may refuse
+    memfd_create (EPERM) where os has it: the check was then a PermissionError traceback, and a TLS
+    server could not start."""
+    if memfd is None:
+        monkeypatch.delattr(os, "memfd_create")
+    else:
+        monkeypatch.setattr(os, "memfd_create", memfd)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
