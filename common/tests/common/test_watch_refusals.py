@@ -102,10 +102,10 @@ def test_a_caller_rotating_addresses_costs_bounded_entries_and_time(warnings: li
     """20,000 IPv6 /64s refused in a minute: each refusal scanned every address kept (31.5 s of the
     event loop in all), and every one was kept."""
     refusals = _refusals()
-    start = time.perf_counter()
+    start = time.thread_time()  # CPU time: the suite's other worker stretches the wall clock, not the work
     for index in range(20_000):
         refusals.refused(f"2001:db8:{index >> 16:x}:{index & 0xFFFF:x}::/64", BOUND, index * 0.003)
-    elapsed = time.perf_counter() - start
+    elapsed = time.thread_time() - start
     assert refusals.num_watchers == 1024
     assert len(warnings) == 1025  # 1,024 addresses, then one for all the others within the minute
     assert elapsed < 2.0, elapsed
