@@ -12,14 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import socket
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
+from common.tests.ports import free_port
 from tandem.client import status
 from tandem.client.errors import (
     DeadlineExceeded,
@@ -794,6 +795,14 @@ async def test_a_prompt_its_sizes_rule_out_is_refused_before_any_part_is_fetched
     assert len(seen) == 1
 
 
+def _parts_of_no_encoder(tmp_path: Path) -> tuple[str, EncoderParts]:
+    """An address nothing listens on (a port of this worker's slice, free now), and parts asking it."""
+    address = f"127.0.0.1:{free_port()}"
+    return address, EncoderParts(
+        address, torch.float32, 1 << 20, cache_bytes=0, shm_dir=tmp_path, hidden_size=HIDDEN_SIZE
+    )
+
+
 async def test_an_encoder_gRPC_cannot_reach_is_said_in_fixed_words_and_gRPCs_are_logged(
     tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -801,12 +810,7 @@ async def test_an_encoder_gRPC_cannot_reach_is_said_in_fixed_words_and_gRPCs_are
     failed to connect to all addresses; last error: ... ipv4:10.0.0.3:50051 ...)", gRPC's terms and
     the internal address, which the gateway passes on to HTTP callers unchanged (it carries the
     decoder's status)."""
-    with socket.socket() as sock:  # a port nothing listens on
-        sock.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{sock.getsockname()[1]}"
-    parts = EncoderParts(
-        address, torch.float32, 1 << 20, cache_bytes=0, shm_dir=tmp_path, hidden_size=HIDDEN_SIZE
-    )
+    address, parts = _parts_of_no_encoder(tmp_path)
     try:
         with caplog.at_level(logging.WARNING, logger=encoder_parts.__name__):
             [part], _ = _start(parts, [_picture()])
@@ -826,12 +830,7 @@ async def test_a_request_of_five_parts_with_no_encoder_listening_logs_one_warnin
     """`_error` runs once for each part waiting on a failed call: a stopped encoder wrote one identical
     WARNING line per part, N for a request of N parts. gRPC's own failures are logged once in a while
     for each encoder and code, as the gateway logs them."""
-    with socket.socket() as sock:  # a port nothing listens on
-        sock.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{sock.getsockname()[1]}"
-    parts = EncoderParts(
-        address, torch.float32, 1 << 20, cache_bytes=0, shm_dir=tmp_path, hidden_size=HIDDEN_SIZE
-    )
+    address, parts = _parts_of_no_encoder(tmp_path)
     try:
         with caplog.at_level(logging.WARNING, logger=encoder_parts.__name__):
             five, _ = _start(parts, [EncoderPrompt("image", f"p{i}".encode()) for i in range(5)])
