@@ -125,3 +125,29 @@ def test_a_device_as_tls_ca_is_refused_before_reading_it(capsys: pytest.CaptureF
     assert cli.main(["wait", "--timeout-s", "30", "--tls-ca", "/dev/zero", "127.0.0.1:1"]) == 2
     said = capsys.readouterr().err
     assert said == "tandem wait: --tls-ca (TANDEM_WAIT_TLS_CA): /dev/zero is not a regular file\n"
+
+
+def test_a_key_that_cannot_be_checked_here_names_the_flag_and_tmpdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """memfd refused (a seccomp filter) and no temporary folder to be had (a read-only /tmp): the key
+    check was a FileNotFoundError traceback, exit 1."""
+    import errno
+    import os
+    import tempfile
+
+    from common.tests.client.pem_files import self_signed
+
+    def refused(name: str, flags: int = 0) -> int:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    chain, key = self_signed(tmp_path, "client")
+    monkeypatch.setattr(os, "memfd_create", refused)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))
+    assert cli.main(["wait", "--tls-cert", str(chain), "--tls-key", str(key), "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"tandem wait: --tls-key (TANDEM_WAIT_TLS_KEY): {key} cannot be checked against {chain}"
+    )
+    assert err.endswith(": set TMPDIR to a writable folder\n")
+    assert err.count("\n") == 1

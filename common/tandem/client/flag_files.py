@@ -158,53 +158,85 @@ def _refuse_password() -> bytes:
 
 def _check_key(chain: bytes, key: bytes, chain_path: str, key_path: str) -> None:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    with _unnamed_files(chain, key) as (chain_file, key_file):
-        try:
+    try:
+        with _unnamed_files(chain, key) as (chain_file, key_file):
             context.load_cert_chain(chain_file, key_file, password=_refuse_password)
-        except _Encrypted:
-            raise TlsFileError(
-                TlsFile.PRIVATE_KEY,
-                f"{key_path} is encrypted: gRPC takes no password (`openssl pkey -in {key_path}` "
-                "writes it decrypted)",
-            ) from None
-        except ssl.SSLError as error:
-            # The certificate is loaded first, so a key whose type has no certificate beside it (RSA for
-            # an EC one) is of another type: OpenSSL's reason read as if no certificate were given.
-            reason = "a key of another type" if error.reason == "NO_CERTIFICATE_ASSIGNED" else error.reason
-            why = f" ({reason})" if reason else ""
-            raise TlsFileError(
-                TlsFile.PRIVATE_KEY, f"{key_path} is not the private key of {chain_path}{why}"
-            ) from None
+    except _NowhereToCheck as error:
+        raise TlsFileError(
+            TlsFile.PRIVATE_KEY,
+            f"{key_path} cannot be checked against {chain_path}: OpenSSL reads a key from a file only, "
+            f"memfd (with /proc/self/fd) is not available here and no temporary folder could be made "
+            f"({error}): set TMPDIR to a writable folder",
+        ) from None
+    except _Encrypted:
+        raise TlsFileError(
+            TlsFile.PRIVATE_KEY,
+            f"{key_path} is encrypted: gRPC takes no password (`openssl pkey -in {key_path}` "
+            "writes it decrypted)",
+        ) from None
+    except ssl.SSLError as error:
+        # The certificate is loaded first, so a key whose type has no certificate beside it (RSA for
+        # an EC one) is of another type: OpenSSL's reason read as if no certificate were given.
+        reason = "a key of another type" if error.reason == "NO_CERTIFICATE_ASSIGNED" else error.reason
+        why = f" ({reason})" if reason else ""
+        raise TlsFileError(
+            TlsFile.PRIVATE_KEY, f"{key_path} is not the private key of {chain_path}{why}"
+        ) from None
+
+
+class _NowhereToCheck(Exception):
+    """Neither memory nor a temporary folder could hold the files for OpenSSL; says why the folder not."""
 
 
 @contextlib.contextmanager
 def _unnamed_files(*contents: bytes) -> Iterator[list[str]]:
     """Paths that read as `contents`, for OpenSSL's key check, which takes paths only (ssl has no
-    load_cert_chain from bytes): the bytes checked are the bytes read, where reading the files again
-    could find them replaced. In memory where the system has memfd (Linux); elsewhere in a private
-    temporary folder (0700), removed once checked."""
+    load_cert_chain from bytes, and `cryptography`, which has, is not installed with the gateway): the
+    bytes checked are the bytes read, where reading the files again could find them replaced. In memory
+    where the system has memfd (Linux) and /proc shows it; elsewhere in a private temporary folder (0700),
+    removed once checked. Raises _NowhereToCheck where neither can be had (a seccomp filter refusing
+    memfd_create, or no /proc, with a read-only /tmp): that was a PermissionError or FileNotFoundError
+    traceback out of read_tls_files, which none of its callers catch."""
     with contextlib.ExitStack() as stack:
         paths = _in_memory(stack, contents) if hasattr(os, "memfd_create") else None
         if paths is None:
-            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tandem-pem-")))
-            paths = []
-            for number, data in enumerate(contents):
-                (folder / f"{number}.pem").write_bytes(data)
-                paths.append(str(folder / f"{number}.pem"))
+            try:
+                folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tandem-pem-")))
+                paths = []
+                for number, data in enumerate(contents):
+                    (folder / f"{number}.pem").write_bytes(data)
+                    paths.append(str(folder / f"{number}.pem"))
+            except OSError as error:
+                raise _NowhereToCheck(_os_error_words(error)) from None
         yield paths
 
 
 def _in_memory(stack: contextlib.ExitStack, contents: tuple[bytes, ...]) -> list[str] | None:
     """A memfd's path for each of `contents`, closed with `stack`; None where memfd_create is refused
-    (a seccomp filter's EPERM: a PermissionError out of read_tls_files, which none of its callers
-    catch)."""
-    paths = []
-    for data in contents:
-        try:
-            memory = stack.enter_context(os.fdopen(os.memfd_create("tandem-pem", os.MFD_CLOEXEC), "wb"))
-        except OSError:
-            return None
-        memory.write(data)
-        memory.flush()
-        paths.append(f"/proc/self/fd/{memory.fileno()}")  # a fresh open, at offset 0
-    return paths
+    (a seccomp filter's EPERM) or /proc is not mounted (a chroot, a bare container): OpenSSL opens the
+    path, and /proc/self/fd/N named no file."""
+    with contextlib.ExitStack() as memories:
+        paths = []
+        for data in contents:
+            try:
+                memory = memories.enter_context(
+                    os.fdopen(os.memfd_create("tandem-pem", os.MFD_CLOEXEC), "wb")
+                )
+            except OSError:
+                return None
+            memory.write(data)
+            memory.flush()
+            path = f"/proc/self/fd/{memory.fileno()}"  # a fresh open, at offset 0
+            if not os.path.exists(path):
+                return None
+            paths.append(path)
+        stack.enter_context(memories.pop_all())  # held until the check is done
+        return paths
+
+
+def _os_error_words(error: OSError) -> str:
+    # "[Errno 30] Read-only file system: '/tmp/tandem-pem-x'" without its number; gettempdir's own
+    # "No usable temporary directory found in [...]" has none to drop.
+    if error.strerror is None:
+        return str(error)
+    return f"{error.filename}: {error.strerror}" if error.filename else error.strerror

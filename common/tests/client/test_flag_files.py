@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -215,18 +214,30 @@ def _memfd_refused(name: str, flags: int = 0) -> int:
     raise PermissionError(errno.EPERM, "Operation not permitted")
 
 
-@pytest.mark.parametrize("memfd", [None, _memfd_refused], ids=["no memfd", "memfd refused"])
+def _without_memfd(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """The key check's memory as a system may withhold it: no memfd_create (not Linux), one a seccomp
+    filter refuses (EPERM), or one whose /proc/self/fd path names nothing (/proc not mounted: a chroot,
+    a bare container; OpenSSL then found no file, a FileNotFoundError traceback)."""
+    if how == "no memfd":
+        monkeypatch.delattr(os, "memfd_create")
+    elif how == "memfd refused":
+        monkeypatch.setattr(os, "memfd_create", _memfd_refused)
+    else:
+        exists = os.path.exists
+        monkeypatch.setattr(
+            os.path, "exists", lambda path: not str(path).startswith("/proc/") and exists(path)
+        )
+
+
+@pytest.mark.parametrize("how", ["no memfd", "memfd refused", "no /proc"])
 def test_the_key_is_checked_in_a_private_folder_removed_after_where_memfd_is_missing_or_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, memfd: Callable[[str, int], int] | None
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     """OpenSSL's key check takes paths only; memfd (Linux) keeps the bytes read in memory, elsewhere
     they are written to a temporary folder of this process's, and removed. A seccomp filter may refuse
     memfd_create (EPERM) where os has it: the check was then a PermissionError traceback, and a TLS
     server could not start."""
-    if memfd is None:
-        monkeypatch.delattr(os, "memfd_create")
-    else:
-        monkeypatch.setattr(os, "memfd_create", memfd)
+    _without_memfd(monkeypatch, how)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
@@ -236,6 +247,25 @@ def test_the_key_is_checked_in_a_private_folder_removed_after_where_memfd_is_mis
     with pytest.raises(TlsFileError, match=r"is not the private key of .* \(KEY_VALUES_MISMATCH\)$"):
         read_tls_files(chain, other_key, None)
     assert list(scratch.iterdir()) == []
+
+
+@pytest.mark.parametrize("how", ["no memfd", "memfd refused", "no /proc"])
+def test_a_key_check_with_no_memfd_and_no_writable_temporary_folder_says_to_set_tmpdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Where neither memfd nor a temporary folder can hold the files (a read-only /tmp: here TMPDIR a
+    folder that is not there), the check was a FileNotFoundError traceback out of every TLS start."""
+    _without_memfd(monkeypatch, how)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))
+    chain, key = self_signed(tmp_path, "server")
+    said = (
+        r"/server-key.pem cannot be checked against .*/server.pem: OpenSSL reads a key from a file only, "
+        r"memfd \(with /proc/self/fd\) is not available here and no temporary folder could be made "
+        r"\(.*/gone/tandem-pem-\w+: No such file or directory\): set TMPDIR to a writable folder$"
+    )
+    with pytest.raises(TlsFileError, match=said) as refused:
+        read_tls_files(chain, key, None)
+    assert refused.value.file is TlsFile.PRIVATE_KEY
 
 
 def test_a_thousand_key_checks_leave_no_file_descriptor_open(tmp_path: Path) -> None:
@@ -256,3 +286,32 @@ def test_each_pem_file_is_bounded_at_1_mib_naming_what_it_is(tmp_path: Path, fil
     paths = {f: (path if f is file else None) for f in TlsFile}
     with pytest.raises(TlsFileError, match=rf"is over 1,048,576 bytes, the bound of {file.value} \(1 MiB\)$"):
         read_tls_files(paths[TlsFile.CERTIFICATE_CHAIN], paths[TlsFile.PRIVATE_KEY], paths[TlsFile.CA_BUNDLE])
+
+
+def test_a_key_is_checked_where_proc_is_not_mounted(tmp_path: Path) -> None:
+    """For real, in a mount namespace of its own with an empty /proc (where root may make one: else
+    skipped, and the "no /proc" cases above stand in): OpenSSL opened /proc/self/fd/N and raised
+    FileNotFoundError, a traceback out of every TLS start in a chroot or a bare container."""
+    import shutil
+    import subprocess
+    import sys
+
+    empty_proc = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs none /proc && exec "$@"', "sh"]
+    if (
+        shutil.which("unshare") is None
+        or subprocess.run([*empty_proc, "true"], capture_output=True).returncode
+    ):
+        pytest.skip("cannot mount an empty /proc here (unshare needs root)")
+    chain, key = self_signed(tmp_path, "server")
+    _, other_key = self_signed(tmp_path, "other")
+    script = (
+        "from tandem.client.flag_files import TlsFileError, read_tls_files\n"
+        f"read_tls_files({str(chain)!r}, {str(key)!r}, None)\n"
+        f"try:\n    read_tls_files({str(chain)!r}, {str(other_key)!r}, None)\n"
+        "except TlsFileError as error:\n    print(error)\n"
+    )
+    done = subprocess.run(
+        [*empty_proc, sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.endswith(f"is not the private key of {chain} (KEY_VALUES_MISMATCH)\n")
