@@ -19,7 +19,6 @@ import click
 
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
-    SECONDS_OR_NO_LIMIT,
     FlagError,
     checked_client_security,
     client_security_options,
@@ -34,6 +33,32 @@ DEFAULT_TARGETS = ("127.0.0.1:50051", "127.0.0.1:50052")  # `tandem up`'s encode
 MAX_TIMEOUT_S = 365 * 86_400.0
 
 
+class _Timeout(click.ParamType):
+    """--timeout-s: seconds above 0 and at most MAX_TIMEOUT_S, or the word inf for no limit. One
+    refusal states the whole bound: 1e400 (float's inf, but no word for it) was said "above 0" where
+    1e308 was said "at most a year", and 0 points at inf, since `wait-for-it -t 0` and `timeout 0` wait
+    for ever where a deadline of 0 would probe once."""
+
+    name = "SECONDS"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if str(value).strip().lower().lstrip("+") in ("inf", "infinity"):
+            return math.inf
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not 0 < seconds <= MAX_TIMEOUT_S:  # NaN fails it too: a wait for NaN seconds never ends
+            why = " (wait-for-it's -t 0 waits for ever; inf does that here)" if seconds == 0 else ""
+            self.fail(
+                f"must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:,.0f} (a year), or inf "
+                f"for no limit, got {value!r}{why}",
+                param,
+                ctx,
+            )
+        return seconds
+
+
 def command() -> click.Command:
     return click.Command(
         "wait",
@@ -43,9 +68,8 @@ def command() -> click.Command:
                 "--timeout-s",
                 "give up after this many seconds, above 0 and at most a year (31,536,000); inf: as long as "
                 "it takes (wait-for-it's -t 0)",
-                type=SECONDS_OR_NO_LIMIT,
+                type=_Timeout(),
                 default=120.0,
-                callback=_at_most_a_year,
             ),
             *client_security_options(),
         ],
@@ -54,14 +78,6 @@ def command() -> click.Command:
         f"(200). Without TARGETs: {' and '.join(DEFAULT_TARGETS)}, what `tandem up` starts.",
         context_settings=CONTEXT_SETTINGS,
     )
-
-
-def _at_most_a_year(ctx: click.Context, param: click.Parameter, timeout_s: float) -> float:
-    if math.isfinite(timeout_s) and timeout_s > MAX_TIMEOUT_S:
-        raise click.BadParameter(
-            f"must be at most {MAX_TIMEOUT_S:,.0f} seconds (a year), or inf for no limit, got {timeout_s!r}"
-        )
-    return timeout_s
 
 
 def _wait(targets: tuple[str, ...], timeout_s: float, **values: Any) -> int:

@@ -24,16 +24,20 @@ def test_a_target_that_is_not_an_address_is_refused_at_once(
     assert f"tandem wait: TARGET {target!r}: " in capsys.readouterr().err
 
 
+# The one refusal of a number --timeout-s does not take, whatever bound it breaks.
+BOUND = (
+    "tandem wait: --timeout-s (TANDEM_WAIT_TIMEOUT_S): must be a number of seconds above 0 and at most "
+    "31,536,000 (a year), or inf for no limit"
+)
+
+
 @pytest.mark.parametrize("timeout", ["nan", "-inf", "-1"])
 def test_a_timeout_that_is_not_a_number_of_seconds_or_inf_is_refused(
     timeout: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """click.FloatRange(min=0) took NaN: the wait never ended."""
     assert cli.main(["wait", "--timeout-s", timeout, "127.0.0.1:1"]) == 2
-    assert capsys.readouterr().err == (
-        "tandem wait: --timeout-s (TANDEM_WAIT_TIMEOUT_S): must be a number of seconds above 0, or inf "
-        f"for no limit, got {timeout!r}\n"
-    )
+    assert capsys.readouterr().err == f"{BOUND}, got {timeout!r}\n"
 
 
 @pytest.mark.parametrize("timeout", ["0", "0.0", "-0"])
@@ -42,12 +46,11 @@ def test_a_timeout_of_0_is_refused_pointing_at_inf(timeout: str, capsys: pytest.
     from wait-for-it failed where it meant to wait. Either meaning surprises someone, so neither is taken."""
     assert cli.main(["wait", "--timeout-s", timeout, "127.0.0.1:1"]) == 2
     assert capsys.readouterr().err == (
-        "tandem wait: --timeout-s (TANDEM_WAIT_TIMEOUT_S): must be a number of seconds above 0, or inf "
-        f"for no limit, got {timeout!r} (wait-for-it's -t 0 waits for ever; inf does that here)\n"
+        f"{BOUND}, got {timeout!r} (wait-for-it's -t 0 waits for ever; inf does that here)\n"
     )
 
 
-@pytest.mark.parametrize("timeout", ["inf", "Infinity"])
+@pytest.mark.parametrize("timeout", ["inf", "Infinity", "+inf", " INF "])
 def test_a_timeout_of_inf_waits_with_no_limit(
     timeout: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -66,19 +69,17 @@ def test_a_timeout_of_inf_waits_with_no_limit(
     assert capsys.readouterr().out == "serving: 127.0.0.1:1\n"
 
 
-@pytest.mark.parametrize(("timeout", "got"), [("1e308", "1e+308"), ("31536001", "31536001.0")])
+@pytest.mark.parametrize("timeout", ["1e308", "31536001", "1e309", "1e400"])
 def test_a_timeout_over_a_year_is_refused_pointing_at_inf(
-    timeout: str, got: str, capsys: pytest.CaptureFixture[str]
+    timeout: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """1e308 was taken and probed with no end, where the script asked for a bound; threading's waits
-    raise OverflowError from about 1e10 s, so no wait could have been given it."""
+    raise OverflowError from about 1e10 s, so no wait could have been given it. 1e400, which float()
+    reads as inf, was refused in other words ("above 0") than 1e308 ("at most a year")."""
     began = time.monotonic()
     assert cli.main(["wait", "--timeout-s", timeout, "127.0.0.1:1"]) == 2
     assert time.monotonic() - began < 5
-    assert capsys.readouterr().err == (
-        "tandem wait: --timeout-s (TANDEM_WAIT_TIMEOUT_S): must be at most 31,536,000 seconds (a year), "
-        f"or inf for no limit, got {got}\n"
-    )
+    assert capsys.readouterr().err == f"{BOUND}, got {timeout!r}\n"
 
 
 def test_a_timeout_of_a_year_is_waited_for_and_any_wait_can_take_it(monkeypatch: pytest.MonkeyPatch) -> None:
