@@ -8,10 +8,11 @@ health known by Check and the gateway's /health and model info served."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -25,11 +26,12 @@ from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.gateway.callers import CallerChannels, decoder_channels, model_check_metadata
 from tandem.gateway.config import GatewayConfig
-from tandem.gateway.replica_addresses import name_of, resolve_name, static_replicas
 from tandem.gateway.replicas import Replicas
 
+from .eventually import eventually
 from .fake_decoder import FakeDecoder
 from .live_gateway import live_gateway
+from .stoppable_health import StoppableHealth, serve_stoppable
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -105,12 +107,6 @@ async def replicas() -> AsyncIterator[list[tuple[CountingDecoder, RunningServer]
         await asyncio.gather(*(running.stop(0) for _, running in started))
 
 
-async def _eventually(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.01)
-
-
 def _asked_models(*decoders: CountingDecoder) -> None:
     """The GetModelInfo calls of the gateway's watch, asking each replica's model as it turned SERVING,
     not counted: call once the replicas are seen serving (a replica's model is known by then)."""
@@ -131,24 +127,6 @@ async def _call(channels: CallerChannels, caller: str) -> None:
 def _gateway_channels(servers: list[RunningServer], max_idle: int = 64) -> CallerChannels:
     address = ",".join(f"127.0.0.1:{running.port}" for running in servers)
     return decoder_channels(GatewayConfig(decoder_address=address, max_idle_channels=max_idle))
-
-
-def test_replicas_are_a_list_resolved_once_or_a_name_resolved_as_it_goes() -> None:
-    assert static_replicas("127.0.0.1:1,localhost:2") == ("127.0.0.1:1", "127.0.0.1:2")
-    assert static_replicas(["[::1]:1", "[::1]:2"]) == ("[::1]:1", "[::1]:2")  # type: ignore[arg-type]
-    assert static_replicas("dns:///decoder.tandem.svc:50052") is None
-    assert static_replicas("dns:decoder:50052") is None
-    assert name_of("decoder:50052") is None
-
-
-def test_a_dns_name_is_read_in_every_form_grpc_reads() -> None:
-    assert name_of("dns:///decoder.tandem.svc:50052") == "decoder.tandem.svc:50052"
-    assert name_of("dns:decoder:50052") == "decoder:50052"
-    assert name_of("dns:/decoder:50052") == "decoder:50052"
-    assert name_of("dns:///[::1]:5") == "[::1]:5"
-    # No port: gRPC's, 443.
-    assert name_of("dns:///decoder") == name_of("dns:decoder") == "decoder:443"
-    assert name_of("dns:///[::1]") == name_of("dns:///::1") == "[::1]:443"
 
 
 @pytest.mark.parametrize(
@@ -193,7 +171,7 @@ async def test_a_watcher_that_fails_is_logged(caplog: pytest.LogCaptureFixture) 
     replicas = Replicas("127.0.0.1:1,127.0.0.1:2", open_channel, "tandem.v1.Decoder")
     with caplog.at_level(logging.ERROR, logger="tandem.gateway.replicas"):
         replicas.start()
-        await _eventually(lambda: len(caplog.records) == 2)
+        await eventually(lambda: len(caplog.records) == 2)
     await replicas.close()
     assert {record.exc_info[1].args[0] for record in caplog.records if record.exc_info} == {
         "no channel to 127.0.0.1:1",
@@ -207,13 +185,12 @@ async def test_a_dns_name_is_watched_at_each_address_it_resolves_to(
     replicas: list[tuple[CountingDecoder, RunningServer]], form: str
 ) -> None:
     (a, server_a), _ = replicas
-    assert await resolve_name(f"localhost:{server_a.port}") == (f"127.0.0.1:{server_a.port}",)  # IPv4 first
     config = GatewayConfig(decoder_address=form.format(port=server_a.port))
     channels = decoder_channels(config)
     try:
         assert channels.targets == (config.decoder_address,)  # the name itself, until it resolves
-        await _eventually(lambda: channels.targets == (f"127.0.0.1:{server_a.port}",))
-        await _eventually(lambda: _num_serving(channels) == 1)  # its model known: the watch asked it
+        await eventually(lambda: channels.targets == (f"127.0.0.1:{server_a.port}",))
+        await eventually(lambda: _num_serving(channels) == 1)  # its model known: the watch asked it
         _asked_models(a)
         await _call(channels, "peer:1")
         assert a.num_infos == 1
@@ -228,8 +205,8 @@ async def test_callers_go_to_the_serving_replicas_only_and_to_one_that_turns_ser
     await server_b.health.set("tandem.v1.Decoder", NOT_SERVING)  # loading, or its engine failed
     channels = _gateway_channels([server_a, server_b])
     try:
-        await _eventually(lambda: channels.targets == (f"127.0.0.1:{server_a.port}",))
-        await _eventually(lambda: _num_serving(channels) == 1)  # its model known: the watch asked it
+        await eventually(lambda: channels.targets == (f"127.0.0.1:{server_a.port}",))
+        await eventually(lambda: _num_serving(channels) == 1)  # its model known: the watch asked it
         _asked_models(a)
         for caller in range(8):
             for _ in range(2):
@@ -237,7 +214,7 @@ async def test_callers_go_to_the_serving_replicas_only_and_to_one_that_turns_ser
         assert (a.num_infos, b.num_infos) == (16, 0)
 
         await server_b.set_serving()
-        await _eventually(lambda: _num_serving(channels) == 2)
+        await eventually(lambda: _num_serving(channels) == 2)
         _asked_models(b)
         # Each caller's channel over A alone is replaced by one over both. Round-robin over the
         # replicas READY: a caller's first calls may all find B still connecting (on loaded cores, a
@@ -257,10 +234,10 @@ async def test_a_draining_replica_is_left_at_once_and_no_call_fails(
     (a, server_a), (b, server_b) = replicas
     channels = _gateway_channels([server_a, server_b])
     try:
-        await _eventually(lambda: _num_serving(channels) == 2)
+        await eventually(lambda: _num_serving(channels) == 2)
         await asyncio.gather(*(_call(channels, f"peer:{caller}") for caller in range(8)))
         stopping = asyncio.ensure_future(server_b.stop(30))  # health NOT_SERVING, then GOAWAY
-        await _eventually(lambda: channels.targets == (f"127.0.0.1:{server_a.port}",))
+        await eventually(lambda: channels.targets == (f"127.0.0.1:{server_a.port}",))
         num_b = b.num_infos
         await asyncio.gather(*(_call(channels, f"peer:{caller}") for caller in range(8) for _ in range(2)))
         assert b.num_infos == num_b
@@ -288,7 +265,7 @@ async def test_an_attacker_holding_its_share_of_watches_leaves_600_gateway_calle
         assert running.health.num_watches == 256
     channels = _gateway_channels([running for _, running in replicas], max_idle=600)
     try:
-        await _eventually(lambda: _num_serving(channels) == 2)
+        await eventually(lambda: _num_serving(channels) == 2)
         _asked_models(*(decoder for decoder, _ in replicas))
         await asyncio.gather(*(_call(channels, f"peer:{caller}") for caller in range(600)))
         assert channels.num_channels == 600
@@ -380,11 +357,11 @@ async def test_a_replica_killed_and_started_again_on_its_port_is_seen_serving_ag
     replica_b = f"127.0.0.1:{server_b.port}"
     restarted: RunningServer | None = None
     try:
-        await _eventually(lambda: _num_serving(channels) == 2)
+        await eventually(lambda: _num_serving(channels) == 2)
         await server_b.stop(0)
-        await _eventually(lambda: channels.targets == (f"127.0.0.1:{server_a.port}",))
+        await eventually(lambda: channels.targets == (f"127.0.0.1:{server_a.port}",))
         b, restarted = await _start_decoder(server_b.port)
-        await _eventually(lambda: _num_serving(channels) == 2, timeout_s=15)  # reconnect backoff: 5 s at most
+        await eventually(lambda: _num_serving(channels) == 2, timeout_s=15)  # reconnect backoff: 5 s at most
         assert replica_b in channels.targets
         # Round-robin over the replicas READY: while B's new connections come up, a round's 16 calls
         # may all go to A (2 runs of 4 under load), so rounds go on until B answers one.
@@ -400,69 +377,11 @@ async def test_a_replica_killed_and_started_again_on_its_port_is_seen_serving_ag
             await restarted.stop(0)
 
 
-class StoppableHealth(health_pb2_grpc.HealthServicer):
-    """A replica's health as a process stopped (SIGSTOP, a frozen VM) shows it: its Watch stays open
-    and says nothing more, and its Check is never answered; or, `is_busy`, a live one at its bound
-    of calls, whose Check is refused RESOURCE_EXHAUSTED."""
-
-    def __init__(self) -> None:
-        self.running = asyncio.Event()
-        self.running.set()
-        self.is_busy = False
-
-    async def Check(
-        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
-    ) -> health_pb2.HealthCheckResponse:
-        await self.running.wait()
-        if self.is_busy:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "at its bound of calls")
-        return health_pb2.HealthCheckResponse(status=SERVING)
-
-    async def Watch(
-        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        yield health_pb2.HealthCheckResponse(status=SERVING)
-        await asyncio.Event().wait()  # open for good, stopped or not
-
-
 @pytest.fixture
 async def stoppable() -> AsyncIterator[tuple[StoppableHealth, str]]:
     """A `StoppableHealth` served on 127.0.0.1, and its address."""
-    health = StoppableHealth()
-    server = grpc.aio.server()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield health, f"127.0.0.1:{port}"
-    finally:
-        health.running.set()
-        await server.stop(0)
-
-
-async def test_a_stopped_replica_whose_watch_stays_open_is_left_within_seconds_and_found_again(
-    replicas: list[tuple[CountingDecoder, RunningServer]],
-    stoppable: tuple[StoppableHealth, str],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A SIGSTOPped decoder leaves the gateway's Watch open: it kept half of all new calls, each hung
-    to its caller's timeout, until gRPC's keepalive gave up on the connection (60-80 s). A Check
-    while the Watch is open, unanswered in CHECK_TIMEOUT_S, takes it out; its answer puts it back.
-    (2 s and 2 s in the gateway; 0.05 s and 0.5 s here: a live replica's Check on loaded cores.)"""
-    monkeypatch.setattr("tandem.gateway.replica_health.CHECK_INTERVAL_S", 0.05)
-    monkeypatch.setattr("tandem.gateway.replica_health.CHECK_TIMEOUT_S", 0.5)
-    health, stopped = stoppable
-    live = f"127.0.0.1:{replicas[0][1].port}"
-    watched = Replicas(f"{stopped},{live}", grpc.aio.insecure_channel, "tandem.v1.Decoder")
-    watched.start()
-    try:
-        await _eventually(lambda: watched.serving == (stopped, live))
-        health.running.clear()  # SIGSTOP
-        await _eventually(lambda: watched.targets == (live,))  # well within keepalive's 60-80 s
-        health.running.set()  # SIGCONT
-        await _eventually(lambda: watched.serving == (stopped, live))
-    finally:
-        await watched.close()
+    async with serve_stoppable() as served:
+        yield served
 
 
 async def test_the_only_serving_replica_whose_check_is_late_stays_a_target(
@@ -477,7 +396,7 @@ async def test_the_only_serving_replica_whose_check_is_late_stays_a_target(
     watched = Replicas(only, grpc.aio.insecure_channel, "tandem.v1.Decoder")
     watched.start()
     try:
-        await _eventually(lambda: watched.serving == (only,))
+        await eventually(lambda: watched.serving == (only,))
         health.running.clear()  # its loop held
         await asyncio.sleep(0.5)  # 7 Checks late
         assert watched.serving == (only,)
@@ -493,50 +412,20 @@ async def test_of_two_replicas_whose_checks_are_late_one_stays_a_target(
     only one serving and stays: callers are never refused for late Checks alone."""
     monkeypatch.setattr("tandem.gateway.replica_health.CHECK_INTERVAL_S", 0.02)
     monkeypatch.setattr("tandem.gateway.replica_health.CHECK_TIMEOUT_S", 0.05)
-    servers, addresses, healths = [], [], []
-    for _ in range(2):
-        health = StoppableHealth()
-        server = grpc.aio.server()
-        health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
-        await server.start()
-        servers.append(server)
-        healths.append(health)
-    watched = Replicas(",".join(addresses), grpc.aio.insecure_channel, "tandem.v1.Decoder")
-    watched.start()
-    try:
-        await _eventually(lambda: watched.serving == tuple(addresses))
-        for health in healths:
-            health.running.clear()
-        await _eventually(lambda: len(watched.serving) == 1)
-        await asyncio.sleep(0.5)
-        assert len(watched.targets) == 1
-    finally:
-        await watched.close()
-        for health in healths:
-            health.running.set()
-        await asyncio.gather(*(server.stop(0) for server in servers))
-
-
-async def test_a_replica_at_its_bound_of_calls_is_not_taken_out_by_its_refused_check(
-    replicas: list[tuple[CountingDecoder, RunningServer]],
-    stoppable: tuple[StoppableHealth, str],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A replica busy up to its max_concurrent_rpcs refuses a Check RESOURCE_EXHAUSTED: alive, so it
-    stays a target, as its Watch says."""
-    monkeypatch.setattr("tandem.gateway.replica_health.CHECK_INTERVAL_S", 0.02)
-    health, busy = stoppable
-    health.is_busy = True
-    live = f"127.0.0.1:{replicas[0][1].port}"
-    watched = Replicas(f"{busy},{live}", grpc.aio.insecure_channel, "tandem.v1.Decoder")
-    watched.start()
-    try:
-        await _eventually(lambda: watched.serving == (busy, live))
-        await asyncio.sleep(0.3)  # 15 Checks refused
-        assert watched.serving == (busy, live)
-    finally:
-        await watched.close()
+    async with contextlib.AsyncExitStack() as stack:
+        served = [await stack.enter_async_context(serve_stoppable()) for _ in range(2)]
+        addresses = [address for _, address in served]
+        watched = Replicas(",".join(addresses), grpc.aio.insecure_channel, "tandem.v1.Decoder")
+        watched.start()
+        try:
+            await eventually(lambda: watched.serving == tuple(addresses))
+            for health, _ in served:
+                health.running.clear()
+            await eventually(lambda: len(watched.serving) == 1)
+            await asyncio.sleep(0.5)
+            assert len(watched.targets) == 1
+        finally:
+            await watched.close()
 
 
 async def _restart_as(decoder: CountingDecoder, running: RunningServer, model: str) -> None:
@@ -562,15 +451,15 @@ async def test_a_replica_of_another_model_gets_no_calls_and_a_rolling_upgrade_mo
     replicas_seen = channels.replicas
     assert replicas_seen is not None
     try:
-        await _eventually(lambda: channels.targets == (replica_a,))
+        await eventually(lambda: channels.targets == (replica_a,))
         with caplog.at_level(logging.ERROR, logger="tandem.gateway.replicas"):
             await server_b.set_serving()
-            await _eventually(lambda: replicas_seen.mismatched == {replica_b: "other-model"})
+            await eventually(lambda: replicas_seen.mismatched == {replica_b: "other-model"})
         assert channels.targets == (replica_a,) and replicas_seen.model == "fake-model"
         assert replica_b in caplog.text and "'other-model'" in caplog.text
 
         await _restart_as(a, server_a, "other-model")  # the upgrade's second replica
-        await _eventually(lambda: _num_serving(channels) == 2)
+        await eventually(lambda: _num_serving(channels) == 2)
         assert replicas_seen.model == "other-model" and not replicas_seen.mismatched
     finally:
         await channels.close()
@@ -589,9 +478,9 @@ async def test_restarting_the_replica_of_the_gateways_model_in_a_1_vs_1_pair_kee
     seen = channels.replicas
     assert seen is not None
     try:
-        await _eventually(lambda: seen.mismatched == {replica_b: "other-model"})
+        await eventually(lambda: seen.mismatched == {replica_b: "other-model"})
         await running_a.health.set("tandem.v1.Decoder", NOT_SERVING)
-        await _eventually(lambda: replica_a not in seen.serving)
+        await eventually(lambda: replica_a not in seen.serving)
         assert seen.model == "fake-model" and seen.mismatched == {replica_b: "other-model"}
         assert channels.targets == ()
         _asked_models(a, b)
@@ -600,7 +489,7 @@ async def test_restarting_the_replica_of_the_gateways_model_in_a_1_vs_1_pair_kee
         assert (a.num_infos, b.num_infos) == (0, 0)
 
         await running_a.set_serving()  # back, with the same model
-        await _eventually(lambda: seen.serving == (replica_a,), timeout_s=10)  # its watch's backoff
+        await eventually(lambda: seen.serving == (replica_a,), timeout_s=10)  # its watch's backoff
         assert seen.model == "fake-model" and seen.mismatched == {replica_b: "other-model"}
         assert channels.targets == (replica_a,)
     finally:
@@ -617,9 +506,9 @@ async def _first_upgraded(
     seen = channels.replicas
     assert seen is not None
     try:
-        await _eventually(lambda: _num_serving(channels) == 2)
+        await eventually(lambda: _num_serving(channels) == 2)
         await _restart_as(a, server_a, "new-model")
-        await _eventually(lambda: seen.mismatched == {f"127.0.0.1:{server_a.port}": "new-model"})
+        await eventually(lambda: seen.mismatched == {f"127.0.0.1:{server_a.port}": "new-model"})
     except BaseException:
         await channels.close()
         raise
@@ -638,13 +527,13 @@ async def test_a_replica_whose_model_ask_failed_after_its_restart_is_asked_again
     try:
         b.fail_infos = True
         await _restart_as(b, server_b, "new-model")
-        await _eventually(lambda: b.num_failed_infos >= 2)  # asked again (MIN_RETRY_S later)
+        await eventually(lambda: b.num_failed_infos >= 2)  # asked again (MIN_RETRY_S later)
         assert seen.model == "fake-model" and seen.targets == () and not seen.serving
         with pytest.raises(Unavailable):
             await _call(channels, "peer:a caller")
 
         b.fail_infos = False
-        await _eventually(lambda: _num_serving(channels) == 2)  # its backoff: 1.6 s at most by now
+        await eventually(lambda: _num_serving(channels) == 2)  # its backoff: 1.6 s at most by now
         assert seen.model == "new-model" and not seen.mismatched
     finally:
         await channels.close()
@@ -661,17 +550,17 @@ async def test_a_replica_back_on_another_model_gets_no_calls_while_its_model_is_
     try:
         b.info_gate = asyncio.Event()
         await server_b.health.set("tandem.v1.Decoder", NOT_SERVING)
-        await _eventually(lambda: not seen.serving)
+        await eventually(lambda: not seen.serving)
         assert seen.targets == ()  # b restarting: it may come back on another model before it is seen
         b.model = "new-model"
         _asked_models(b)
         await server_b.set_serving()
-        await _eventually(lambda: b.num_infos == 1)  # seen serving, its model being asked
+        await eventually(lambda: b.num_infos == 1)  # seen serving, its model being asked
         assert seen.targets == ()
         with pytest.raises(Unavailable):
             await _call(channels, "peer:a caller")
         b.info_gate.set()
-        await _eventually(lambda: _num_serving(channels) == 2)
+        await eventually(lambda: _num_serving(channels) == 2)
         assert seen.model == "new-model"
     finally:
         await channels.close()
@@ -689,15 +578,15 @@ async def test_a_replica_left_out_that_flaps_is_logged_at_error_once(
         seen = channels.replicas
         assert seen is not None
         try:
-            await _eventually(lambda: seen.mismatched == {replica_b: "other-model"})
+            await eventually(lambda: seen.mismatched == {replica_b: "other-model"})
             for _ in range(2):
                 _asked_models(b)
                 await server_b.health.set("tandem.v1.Decoder", NOT_SERVING)
-                await _eventually(lambda: not seen.mismatched)
+                await eventually(lambda: not seen.mismatched)
                 await server_b.set_serving()
-                await _eventually(lambda: seen.mismatched == {replica_b: "other-model"} and b.num_infos == 1)
+                await eventually(lambda: seen.mismatched == {replica_b: "other-model"} and b.num_infos == 1)
             await _restart_as(b, server_b, "third-model")
-            await _eventually(lambda: seen.mismatched == {replica_b: "third-model"})
+            await eventually(lambda: seen.mismatched == {replica_b: "third-model"})
         finally:
             await channels.close()
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
@@ -803,7 +692,7 @@ async def _mixed(
     await server_b.health.set("tandem.v1.Decoder", NOT_SERVING)
     config = config or GatewayConfig()
     channels = decoder_channels(dataclasses.replace(config, decoder_address=f"{replica_a},{replica_b}"))
-    await _eventually(lambda: channels.targets == (replica_a,))
+    await eventually(lambda: channels.targets == (replica_a,))
     await server_b.set_serving()
     return channels, replica_a, replica_b
 
@@ -818,7 +707,7 @@ async def test_a_replica_of_another_checkpoint_under_the_models_name_gets_no_cal
     a.sample, b.sample = BASE, TUNED
     with caplog.at_level(logging.ERROR, logger="tandem.gateway.replicas"):
         channels, replica_a, replica_b = await _mixed(replicas)
-        await _eventually(lambda: bool(channels.replicas.mismatched))
+        await eventually(lambda: bool(channels.replicas.mismatched))
     try:
         assert channels.replicas.model == "fake-model" and list(channels.replicas.mismatched) == [replica_b]
         assert channels.targets == (replica_a,)
@@ -872,11 +761,11 @@ async def test_replicas_of_one_checkpoint_and_an_older_decoder_of_its_name_all_s
     a.sample = b.sample = BASE
     channels, replica_a, replica_b = await _mixed(replicas)
     try:
-        await _eventually(lambda: channels.targets == (replica_a, replica_b))
+        await eventually(lambda: channels.targets == (replica_a, replica_b))
         assert not channels.replicas.mismatched
         b.sample = None
         await _restart_as(b, server_b, "fake-model")
-        await _eventually(lambda: _num_serving(channels) == 2)
+        await eventually(lambda: _num_serving(channels) == 2)
         assert not channels.replicas.mismatched
     finally:
         await channels.close()
@@ -892,7 +781,7 @@ async def test_passing_callers_tokens_on_the_gateway_still_asks_each_replicas_mo
     try:
         channels, replica_a, replica_b = await _mixed(started, GatewayConfig(auth_tokens=tokens))
         try:
-            await _eventually(lambda: bool(channels.replicas.mismatched))
+            await eventually(lambda: bool(channels.replicas.mismatched))
             assert channels.targets == (replica_a,)
             assert channels.replicas.mismatched == {replica_b: "other-model"}
         finally:
@@ -926,12 +815,12 @@ async def test_each_replica_newly_left_out_is_logged_at_error_naming_it_and_both
     seen = channels.replicas
     assert seen is not None
     try:
-        await _eventually(lambda: channels.targets == (addresses[0],))
+        await eventually(lambda: channels.targets == (addresses[0],))
         with caplog.at_level(logging.ERROR, logger="tandem.gateway.replicas"):
             await server_b.set_serving()  # 1 to 1: the model served so far stays, b left out
-            await _eventually(lambda: seen.num_left_out == 1)
+            await eventually(lambda: seen.num_left_out == 1)
             await server_c.set_serving()  # 2 to 1: the gateway moves, a is left behind
-            await _eventually(lambda: seen.model == "new-model" and seen.num_left_out == 1)
+            await eventually(lambda: seen.model == "new-model" and seen.num_left_out == 1)
             await asyncio.sleep(0.05)  # nothing more is said while nothing changes
         errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
         assert len(errors) == 2, errors
@@ -956,11 +845,11 @@ async def _restarted_failing_asks(
     seen = channels.replicas
     assert seen is not None
     try:
-        await _eventually(lambda: _num_serving(channels) == 2)
+        await eventually(lambda: _num_serving(channels) == 2)
         for decoder, running in replicas:
             decoder.fail_infos, decoder.failure = True, failure
             await _restart_as(decoder, running, "fake-model")
-        await _eventually(lambda: all(decoder.num_failed_infos for decoder, _ in replicas))
+        await eventually(lambda: all(decoder.num_failed_infos for decoder, _ in replicas))
     except BaseException:
         await channels.close()
         raise
@@ -984,7 +873,7 @@ async def test_replicas_whose_model_asks_are_refused_by_their_configuration_get_
         channels, seen = await _restarted_failing_asks(replicas, refusal)
         try:
             addresses = tuple(f"127.0.0.1:{running.port}" for _, running in replicas)
-            await _eventually(lambda: set(channels.targets) == set(addresses))
+            await eventually(lambda: set(channels.targets) == set(addresses))
             async with channels.stub("peer:a caller"):  # a call goes out (the fake refuses GetModelInfo)
                 pass
             assert set(seen.model_unknown) == set(addresses) and seen.model == "fake-model"
@@ -1007,14 +896,14 @@ async def test_a_refused_ask_of_the_gateways_models_replica_hands_the_gateway_no
     seen = channels.replicas
     assert seen is not None
     try:
-        await _eventually(lambda: seen.mismatched == {replica_b: "other-model"})
+        await eventually(lambda: seen.mismatched == {replica_b: "other-model"})
         a.fail_infos, a.failure = True, grpc.StatusCode.UNAUTHENTICATED
         await _restart_as(a, server_a, "fake-model")
-        await _eventually(lambda: a.num_failed_infos > 0 and replica_a in seen.model_unknown)
-        await _eventually(lambda: channels.targets == (replica_a,))  # not checked: it gets calls
+        await eventually(lambda: a.num_failed_infos > 0 and replica_a in seen.model_unknown)
+        await eventually(lambda: channels.targets == (replica_a,))  # not checked: it gets calls
         assert seen.model == "fake-model" and replica_b in seen.mismatched
         a.fail_infos = False  # the token fixed: A answers again
-        await _eventually(lambda: not seen.model_unknown, timeout_s=10)  # its asks' backoff: 5 s at most
+        await eventually(lambda: not seen.model_unknown, timeout_s=10)  # its asks' backoff: 5 s at most
         assert seen.model == "fake-model" and channels.targets == (replica_a,)
         assert seen.mismatched == {replica_b: "other-model"}
     finally:
@@ -1034,10 +923,10 @@ async def test_a_replica_whose_model_asks_keep_failing_gets_calls_not_checked_pa
         with pytest.raises(Unavailable, match="2 serve, but their model could not be checked"):
             await _call(channels, "peer:a caller")
         monkeypatch.setattr("tandem.gateway.replicas.UNCHECKED_AFTER_S", 0.0)  # the next failure is past it
-        await _eventually(lambda: len(channels.targets) == 2)
+        await eventually(lambda: len(channels.targets) == 2)
         for decoder, _ in replicas:
             decoder.fail_infos = False  # answering again: checked again
-        await _eventually(lambda: not seen.model_unknown, timeout_s=10)  # their asks' backoff: 5 s at most
+        await eventually(lambda: not seen.model_unknown, timeout_s=10)  # their asks' backoff: 5 s at most
         assert len(seen.serving) == 2 and seen.model == "fake-model"
     finally:
         await channels.close()

@@ -1,0 +1,34 @@
+"""The replicas an address names (`replica_addresses.py`): a list, resolved once, or a `dns:` name,
+read as gRPC reads it and looked up again as replicas come and go, one address family at a time."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.gateway.replica_addresses import name_of, resolve_name, static_replicas
+
+
+def test_replicas_are_a_list_resolved_once_or_a_name_resolved_as_it_goes() -> None:
+    assert static_replicas("127.0.0.1:1,localhost:2") == ("127.0.0.1:1", "127.0.0.1:2")
+    assert static_replicas(["[::1]:1", "[::1]:2"]) == ("[::1]:1", "[::1]:2")  # type: ignore[arg-type]
+    assert static_replicas("dns:///decoder.tandem.svc:50052") is None
+    assert static_replicas("dns:decoder:50052") is None
+    assert name_of("decoder:50052") is None
+
+
+def test_a_dns_name_is_read_in_every_form_grpc_reads() -> None:
+    assert name_of("dns:///decoder.tandem.svc:50052") == "decoder.tandem.svc:50052"
+    assert name_of("dns:decoder:50052") == "decoder:50052"
+    assert name_of("dns:/decoder:50052") == "decoder:50052"
+    assert name_of("dns:///[::1]:5") == "[::1]:5"
+    # No port: gRPC's, 443.
+    assert name_of("dns:///decoder") == name_of("dns:decoder") == "decoder:443"
+    assert name_of("dns:///[::1]") == name_of("dns:///::1") == "[::1]:443"
+
+
+async def test_a_name_resolves_to_its_ipv4_servers_where_it_has_any_else_its_ipv6_ones() -> None:
+    """Each caller's channel is opened over a static list of one family (`ipv4:` or `ipv6:`)."""
+    assert await resolve_name("localhost:7") == ("127.0.0.1:7",)  # IPv4 first, where ::1 is named too
+    assert await resolve_name("[::1]:7") == ("[::1]:7",)
+    with pytest.raises(OSError):
+        await resolve_name("nohost.invalid:7")
