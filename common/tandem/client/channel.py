@@ -35,7 +35,7 @@ import grpc
 
 # ChannelSecurity, PLAINTEXT, channel_target and details_interceptors stay importable from here too:
 # the gateway and tandem.common.flags import them so.
-from .addresses import channel_target, server_of
+from .addresses import channel_target, dns_name
 from .auth import bearer_token
 from .call_details import details_interceptors
 from .first_calls import FirstCallsGate, health_probe, name_resolver
@@ -148,8 +148,8 @@ def open_channel(
     if is_balanced:  # its first burst waits for every server's connection (`first_calls`)
         # A probe dials one of a `dns:` name's addresses but goes by the name, as the channel does:
         # the servers' TLS certificates name the name, and a probe going by the IP failed their check.
-        named = server_of(address) if authority is None and target.startswith("dns:") else None
-        probe_authority = authority if named is None else named[0]
+        name = dns_name(target)  # checked by channel_target: a dns: target is passed to gRPC as written
+        probe_authority = authority if authority is not None or name is None else name.host.strip("[]")
 
         def open_probe_channel(server: str) -> grpc.aio.Channel:
             # Retrying nothing, so a refusal ends the probe at once; a connection of its own, so it
@@ -164,7 +164,7 @@ def open_channel(
             return _channel(server, probe_options, security, None)
 
         probe = health_probe(open_probe_channel, service if is_watched else None, security.uses_tls)
-        gate = FirstCallsGate(_servers(address, target), probe)
+        gate = FirstCallsGate(_servers(target), probe)
         chain.extend(details_interceptors(gate.held))
     channel = _channel(target, options, security, chain or None)
     if gate is not None:
@@ -186,13 +186,11 @@ def _channel(
     return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)
 
 
-def _servers(
-    address: str | Sequence[str], target: str
-) -> tuple[str, ...] | Callable[[], Awaitable[tuple[str, ...]]]:
+def _servers(target: str) -> tuple[str, ...] | Callable[[], Awaitable[tuple[str, ...]]]:
     """A balanced `target`'s servers: its static list's, or a `dns:` name's as it resolves then."""
-    if target.startswith("dns:"):
-        server = server_of(address)
-        return () if server is None or server[1] is None else name_resolver(server[0], server[1])
+    name = dns_name(target)
+    if name is not None:
+        return name_resolver(name.host.strip("[]"), name.port)
     return tuple(target.partition(":")[2].split(","))
 
 

@@ -16,6 +16,8 @@ import ipaddress
 import socket
 from collections.abc import Sequence
 
+from tandem.client.addresses import dns_name
+
 HEADER = "tandem-replica"  # initial metadata: the answering server's own name, `own_name`'s
 # The most characters of a reported name kept: a host name is at most 253, a port 5 more. Anything may
 # answer on a configured address; its name goes into error text, so it is cut and held to printable ASCII.
@@ -51,12 +53,22 @@ def answering(address: str, name: str | None) -> str:
     if not name:
         return address
     entries = [entry.strip() for entry in address.split(",")]
-    if len(entries) == 1 and not address.startswith("dns:"):
+    is_name = _is_dns_name(address)  # one entry, yet every server its name resolves to
+    if len(entries) == 1 and not is_name:
         return address  # one server: it answered, as the caller names it
     if name in entries:
         return name
     port = name.rpartition(":")[2]
     on_port = [entry for entry in entries if entry.rpartition(":")[2] == port]
-    if len(on_port) == 1 and not address.startswith("dns:"):
+    if len(on_port) == 1 and not is_name:
         return on_port[0]
     return f"{name} (of {address})"
+
+
+def _is_dns_name(address: str) -> bool:
+    # An error's words must not fail: a dns: target dns_name refuses (no channel opens to it) is still a
+    # name gRPC would resolve (port 99999 wrapped, mod 65536), so it is named as one.
+    try:
+        return dns_name(address) is not None
+    except ValueError:
+        return True

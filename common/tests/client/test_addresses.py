@@ -4,6 +4,8 @@ word) and the server a client span names."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tandem.client.addresses import DnsName, channel_target, dns_name, server_of
 
@@ -121,3 +123,18 @@ def test_a_span_names_the_server_of_each_dns_form_the_gateway_watches(address: s
     port); the gateway watched them, while server_of named no server for either."""
     assert server_of(address) == server
     assert channel_target(address) == (address, True)
+
+
+@given(st.text(alphabet="dns:/[]0123456789abcf.-_", max_size=24).map("dns:".__add__))
+def test_every_dns_target_a_channel_takes_is_a_name_and_a_port(address: str) -> None:
+    """channel._servers kept a fallback (no servers to wait for) for a dns: target whose name or port
+    server_of could not read; none reaches it: channel_target takes a dns: target only as dns_name reads
+    it, whose port is always written or 443."""
+    try:
+        target, is_balanced = channel_target(address)
+    except ValueError:
+        return
+    name = dns_name(target)
+    assert name is not None and is_balanced
+    server = server_of(address)
+    assert server is not None and server[1] == name.port

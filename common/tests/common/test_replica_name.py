@@ -43,6 +43,9 @@ def test_a_reported_name_is_cut_and_held_to_printable_ascii_before_it_reaches_an
         ("localhost:1,localhost:2", "127.0.0.1:2", "localhost:2"),  # the only entry on its port
         ("a:50052,b:50052", "pod-7:50052", "pod-7:50052 (of a:50052,b:50052)"),  # several on its port
         ("dns:///encoder:50052", "pod-7:50052", "pod-7:50052 (of dns:///encoder:50052)"),
+        ("dns:encoder", "pod-7:443", "pod-7:443 (of dns:encoder)"),  # a name, in each form gRPC reads
+        ("dns://10.0.0.2/encoder:50052", "pod-7:50052", "pod-7:50052 (of dns://10.0.0.2/encoder:50052)"),
+        ("dns:///encoder:99999", "pod-7:1", "pod-7:1 (of dns:///encoder:99999)"),  # refused at start
         ("127.0.0.1:1,127.0.0.1:2", None, "127.0.0.1:1,127.0.0.1:2"),  # no server said: every one
         ("localhost:1", "127.0.0.1:1", "localhost:1"),  # one server: as the caller names it
     ],
