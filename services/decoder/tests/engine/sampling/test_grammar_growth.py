@@ -14,6 +14,8 @@ import torch
 
 from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.decoder.engine.params import StructuredOutput
+from tandem.decoder.engine.sampling.constraint import Constraint
+from tandem.decoder.engine.sampling.deep_stack import on_deep_stack
 from tandem.decoder.engine.sampling.grammar_growth import (
     BYTES_PER_LEXER_STATE,
     EXPENSIVE_REPLAY_SECONDS,
@@ -23,7 +25,7 @@ from tandem.decoder.engine.sampling.grammar_growth import (
     growth_bytes,
 )
 from tandem.decoder.engine.sampling.grammar_memory import MIB, GrammarMemoryBudget
-from tandem.decoder.engine.sampling.structured import Constraint, GrammarCompiler, on_deep_stack
+from tandem.decoder.engine.sampling.structured import GrammarCompiler
 
 # Every character a new lexer state, and each mask explores the tokens that go on from it: about 60
 # states a token of one character with SmolLM2's vocabulary, past the first tranche within 20.
