@@ -17,7 +17,8 @@ from tandem.encoder.vision.preprocess import MAX_RESIZED_PIXELS, ImageProcessing
 # (36, 36) and (36, 80) are resized to the size they have (a short side of 36, SigLIP's 36 x 36), which
 # is skipped (PIL would copy it): the pixels must stay transformers'.
 SIZES = [(53, 41), (30, 70), (336, 336), (7, 500), (1, 1), (36, 36), (36, 80)]
-MODES = ["RGB", "RGBA", "L", "P", "LA"]
+# The 8-bit modes, where transformers' conversion is faithful; 16-bit ones are test_rgb.py's.
+MODES = ["RGB", "RGBA", "L", "P", "LA", "1", "PA", "CMYK", "YCbCr", "RGBX"]
 
 
 def _picture(size: tuple[int, int], mode: str, seed: int = 0) -> Image.Image:
@@ -45,6 +46,20 @@ def test_pixels_equal_transformers_image_processor(name: str, size: tuple[int, i
     picture = _picture(size, mode)
     expected = processor(picture, return_tensors="pt")["pixel_values"][0]
     assert torch.equal(ours(picture), expected)
+
+
+@pytest.mark.parametrize("name", ["clip", "siglip"])
+def test_a_16_bit_grey_picture_is_scaled_where_transformers_clips_it_to_white(name: str) -> None:
+    processor = _processors()[name]
+    ours = ImageProcessing.from_hf(processor.to_dict(), ValueError)
+    ramp = np.arange(36 * 36, dtype=np.uint16).reshape(36, 36) * 50  # 0 to 64,750
+    picture = Image.fromarray(ramp)  # mode "I;16", as PIL opens a 16-bit grey PNG
+    clipped = np.minimum(ramp, 255).astype(np.uint8)  # transformers' reading: 1,290 of 1,296 white
+    assert (clipped == 255).sum() == 1290
+    theirs = processor(picture, return_tensors="pt")["pixel_values"][0]
+    assert torch.equal(theirs, processor(Image.fromarray(clipped), return_tensors="pt")["pixel_values"][0])
+    high_bytes = Image.fromarray((ramp >> 8).astype(np.uint8))
+    assert torch.equal(ours(picture), processor(high_bytes, return_tensors="pt")["pixel_values"][0])
 
 
 @pytest.mark.parametrize(("name", "size"), [("clip", (36, 36)), ("clip", (36, 80)), ("siglip", (36, 36))])

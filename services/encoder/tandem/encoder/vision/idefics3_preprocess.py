@@ -25,7 +25,8 @@ import torch
 from PIL import Image
 
 from tandem.client.errors import InvalidArgument
-from tandem.encoder.vision.preprocess import rescale_and_normalize, to_rgb
+from tandem.encoder.vision.preprocess import rescale_and_normalize
+from tandem.encoder.vision.rgb import rgb_for_processor
 
 # transformers' Idefics3ImageProcessorPil defaults, for a config that leaves a key out.
 DEFAULT_LONGEST_EDGE = 4 * 364
@@ -139,13 +140,7 @@ class Idefics3Processing:
         return sizes
 
     def __call__(self, image: Image.Image) -> Tiles:
-        if self.convert_rgb:
-            image = to_rgb(image)
-        elif image.mode != "RGB":
-            raise InvalidArgument(
-                "image.data",
-                f"image mode {image.mode!r} is not RGB, and this model's processor converts none",
-            )
+        image = rgb_for_processor(image, self.convert_rgb)
         for height, width in self._sizes(image.height, image.width):
             image = self._resize(image, height, width)
         frames = [image]

@@ -1,7 +1,8 @@
 """An image -> the pixel tensor a vision tower reads, as the checkpoint's `preprocessor_config.json` says.
 
 The steps and their order are transformers' image processors' (the PIL backend, which needs no
-torchvision): convert to RGB compositing transparency onto white, resize with PIL (shortest edge
+torchvision): convert to RGB compositing transparency onto white (rgb.py, which also scales 16-bit
+samples where transformers clips them to white), resize with PIL (shortest edge
 kept in proportion, or a fixed height and width), crop the centre, rescale (x 1/255, in float64 as
 numpy does, then float32), normalize with the per-channel mean and std. A setting we do not apply
 (padding, aspect-ratio tricks) is refused at load time by name, never ignored: pixels that differ
@@ -19,6 +20,7 @@ import torch
 from PIL import Image
 
 from tandem.client.errors import InvalidArgument
+from tandem.encoder.vision.rgb import rgb_for_processor
 
 # A shortest-edge resize keeps the aspect ratio: a 20,000 x 1 picture (138 bytes of PNG, well within
 # any pixel bound) would become 6,720,000 x 336 before its crop, 6.7 GB. Above this many pixels after
@@ -89,12 +91,9 @@ class ImageProcessing:
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
         """[3, height, width] float32."""
-        if self.convert_rgb:
-            image = to_rgb(image)
+        image = rgb_for_processor(image, self.convert_rgb)
         image = self._resize(image)
         pixels = np.asarray(image)  # [height, width, 3] uint8
-        if pixels.ndim == 2:
-            pixels = pixels[:, :, None]
         if self.crop is not None:
             pixels = _center_crop(pixels, *self.crop)
         return rescale_and_normalize(pixels.transpose(2, 0, 1), self.rescale_factor, self.mean, self.std)
@@ -142,15 +141,6 @@ def rescale_and_normalize(
         std_column = np.asarray(std, dtype=np.float32)[:, None, None]
         array = (array - mean_column) / std_column
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
-
-
-def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB, with any transparency composited onto white (as transformers does)."""
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
 
 
 def _center_crop(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
