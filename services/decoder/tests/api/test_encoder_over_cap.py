@@ -2,7 +2,7 @@
 request carrying the input, the reply carrying the rows; read by tandem.client.over_cap, specified in
 common's test_over_cap.py) is described naming that side's --max-message-bytes. (That `encoder_parts`
 makes these INVALID_ARGUMENT on the caller's field, through a real gRPC channel and server, is specified
-in test_encoder_parts.py.)"""
+in test_encoder_errors.py.)"""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 BadRequest field under the part's only where it is a field of the EncoderInput the part sent, its
 ErrorInfo only when it is full and only where it is one of the encoder's own reasons, with that reason's
 keys. (That `encoder_parts` passes a real encoder's status through here, over gRPC, is specified in
-test_encoder_parts.py.)"""
+test_encoder_errors.py.)"""
 
 from __future__ import annotations
 
