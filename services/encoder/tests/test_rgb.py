@@ -48,9 +48,9 @@ def _saved(image: Image.Image, image_format: str, **options: object) -> bytes:
     return out.getvalue()
 
 
-def _png(samples: np.ndarray, colour_type: int, bit_depth: int) -> bytes:
+def _png(samples: np.ndarray, colour_type: int, bit_depth: int, transparent: tuple[int, ...] = ()) -> bytes:
     """A PNG of `samples` ([height, width, channels]) as written by the spec, for the layouts PIL cannot
-    write (16-bit RGB, grey-alpha and RGBA)."""
+    write (2- and 4-bit grey, 16-bit RGB, grey-alpha and RGBA), with `transparent` as its tRNS colour."""
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
@@ -65,6 +65,7 @@ def _png(samples: np.ndarray, colour_type: int, bit_depth: int) -> bytes:
     return (
         b"\x89PNG\r\n\x1a\n"
         + chunk(b"IHDR", header)
+        + (chunk(b"tRNS", struct.pack(f">{len(transparent)}H", *transparent)) if transparent else b"")
         + chunk(b"IDAT", zlib.compress(raw))
         + chunk(b"IEND", b"")
     )
@@ -110,6 +111,19 @@ CASES = [
     Case("png-1-bit", lambda: _saved(Image.fromarray(RAMP >= 128), "PNG"), "1", _grey((RAMP >= 128) * 255)),
     Case("png-2-bit", lambda: _png(RAMP[:, :, None] >> 6, 0, 2), "L", _grey((RAMP >> 6) * 85)),
     Case("png-4-bit", lambda: _png(RAMP[:, :, None] >> 4, 0, 4), "L", _grey((RAMP >> 4) * 17)),
+    # PIL widens these samples to 8 bits but not the key: the transparent grey showed opaque.
+    Case(
+        "png-2-bit-transparent-colour",
+        lambda: _png(RAMP[:, :, None] >> 6, 0, 2, transparent=(1,)),
+        "L",
+        _grey(np.where(RAMP >> 6 == 1, WHITE, (RAMP >> 6) * 85)),
+    ),
+    Case(
+        "png-4-bit-transparent-colour",
+        lambda: _png(RAMP[:, :, None] >> 4, 0, 4, transparent=(KEY >> 4,)),
+        "L",
+        _grey(np.where(RAMP >> 4 == KEY >> 4, WHITE, (RAMP >> 4) * 17)),
+    ),
     Case("png-L", lambda: _saved(Image.fromarray(RAMP), "PNG"), "L", _grey(RAMP)),
     Case(
         "png-L-transparent-colour",
@@ -153,6 +167,14 @@ CASES = [
         _grey(np.where(RAMP_16 == RAMP_16[0, KEY % SIDE], WHITE, RAMP)),
     ),
     Case("png-16-bit-RGB", lambda: _png(COLOUR_16, 2, 16), "RGB", COLOUR),
+    # PIL compared the key's low bytes with the pixels' high bytes: COLOUR's pixel 178 (the key's
+    # low bytes) turned white and the key's own stayed.
+    Case(
+        "png-16-bit-RGB-transparent-colour",
+        lambda: _png(COLOUR_16, 2, 16, transparent=tuple(int(c) for c in COLOUR_16[KEY // SIDE, KEY % SIDE])),
+        "RGB",
+        np.where((RAMP == KEY)[:, :, None], WHITE, COLOUR),
+    ),
     Case(
         "png-16-bit-grey-alpha",
         lambda: _png(np.stack([RAMP_16, _alpha(65535)], axis=2), 4, 16),

@@ -159,6 +159,7 @@ def decode_image(
     naming `field`."""
     image_format = check_image_bytes(data, max_bytes, field)
     late_exif = None  # a PNG's eXIf chunk after its pixels, which PIL reads only with them
+    png_bit_depth = None  # a PNG's bits a sample, from its IHDR
     if image_format == "JPEG":
         jpeg = jpeg_segments(data)
         if jpeg.num_scans > MAX_JPEG_SCANS:
@@ -181,6 +182,7 @@ def decode_image(
             # took 42 s of the image thread.
             raise InvalidArgument(field, f"a PNG of {png.num_profiles} iCCP chunks; the PNG spec allows one")
         late_exif = png.exif
+        png_bit_depth = png.bit_depth
         if png.size is not None and 0 in png.size:  # PIL refuses it as "not a PNG": say what it is
             raise InvalidArgument(field, f"has no pixels ({png.size[0]} x {png.size[1]})")
         if png.metadata:
@@ -208,6 +210,8 @@ def decode_image(
             )
         check_size(width, height)
         image.load()
+        if png_bit_depth is not None:
+            _match_transparent_colour(image, png_bit_depth)
         if orientation in _UPRIGHT:
             image = image.transpose(_UPRIGHT[orientation])
     except InvalidArgument:
@@ -265,6 +269,22 @@ def _filter_pil_warnings() -> None:
     if warnings.filters[: len(_PIL_FILTERS)] != _PIL_FILTERS:
         warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
         warnings.filterwarnings("error", category=Image.DecompressionBombWarning)
+
+
+def _match_transparent_colour(image: Image.Image, bit_depth: int) -> None:
+    """A PNG's transparent colour (its tRNS chunk) put on the scale of the pixels PIL decoded. PIL keeps
+    the file's sample values but widens a 2- or 4-bit grey picture's samples to 8 bits (x 85, x 17) and
+    narrows a 16-bit RGB one's to their high bytes, then compares the key unscaled: a 4-bit grey key of
+    3 (8-bit 51) matched no pixel, so the transparent grey showed opaque, and a 16-bit RGB key's low
+    bytes matched whichever colour had them as high bytes, turning an unrelated colour white. 16-bit
+    samples are gone once decoded, so a 16-bit key matches the colours that share its high bytes (each
+    sample within 1/256 of it). The spec reads a key's low bit_depth bits alone."""
+    key = image.info.get("transparency")
+    if image.mode == "L" and isinstance(key, int) and bit_depth in (2, 4, 8):
+        most = (1 << bit_depth) - 1
+        image.info["transparency"] = (key & most) * (255 // most)
+    elif image.mode == "RGB" and isinstance(key, tuple) and bit_depth == 16:
+        image.info["transparency"] = tuple(sample >> 8 for sample in key)
 
 
 def _orientation(image: Image.Image, late_exif: bytes | None) -> int:
@@ -346,6 +366,7 @@ class PngChunks:
     num_profiles: int  # its iCCP chunks, each a colour profile PIL inflates
     exif: bytes | None  # its last eXIf chunk's payload (PIL keeps the last), None without one
     size: tuple[int, int] | None  # (width, height) its IHDR declares; None without one first
+    bit_depth: int | None  # bits a sample (1, 2, 4, 8 or 16) its IHDR declares; None without one first
     # Where its compressed metadata chunks lie (zTXt, iTXt, iCCP), to be cut out before PIL reads the
     # file: nothing here reads text or applies a colour profile (nor do transformers' processors), and
     # PIL refuses the whole picture when one inflates past its MAX_TEXT_CHUNK (1 MB), even one after
@@ -359,9 +380,10 @@ def png_chunks(data: bytes) -> PngChunks:
     chunks = profiles = 0
     exif: tuple[int, int] | None = None  # where the last eXIf's payload starts and ends
     metadata: list[tuple[int, int]] = []
-    size = None
+    size = bit_depth = None
     if data[12:16] == b"IHDR" and len(data) >= 24:
         size = (int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big"))
+        bit_depth = data[24] if len(data) > 24 else None
     i = 8
     while chunks <= MAX_CHUNKS and i + 8 <= len(data):
         chunks += 1
@@ -376,7 +398,12 @@ def png_chunks(data: bytes) -> PngChunks:
             metadata.append((i, i + 12 + length))
         i += 12 + length
     return PngChunks(
-        chunks, profiles, data[exif[0] : exif[1]] if exif is not None else None, size, tuple(metadata)
+        chunks,
+        profiles,
+        data[exif[0] : exif[1]] if exif is not None else None,
+        size,
+        bit_depth,
+        tuple(metadata),
     )
 
 
