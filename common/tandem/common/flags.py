@@ -380,25 +380,28 @@ def client_security_options() -> list[click.Option]:
     ]
 
 
-def client_security(values: Mapping[str, Any]) -> ChannelSecurity:
-    """The channel security `client_security_options` ask for. Raises ConfigError naming the value's
-    key (`tls_ca`, ...) for half a client pair, a file that cannot be read or used (never read whole:
-    /dev/zero passed 3 GB in 3 s; a CA that holds no PEM failed every call), or one that holds no token."""
-    if (values["tls_cert"] is None) != (values["tls_key"] is None):
-        missing = "tls_key" if values["tls_key"] is None else "tls_cert"
-        raise ConfigError(missing, ": --tls-cert and --tls-key go together (mutual TLS)")
+def client_security(values: Mapping[str, Any], prefix: str = "") -> ChannelSecurity:
+    """The channel security `client_security_options` ask for, their values under `prefix` (the
+    gateway's `upstream_`: `upstream_tls_ca`, ...). Raises ConfigError naming the value's key
+    (`tls_ca`, `upstream_tls_ca`, ...) for half a client pair, a file that cannot be read or used (never
+    read whole: /dev/zero passed 3 GB in 3 s; a CA that holds no PEM failed every call), or one that
+    holds no token."""
+    cert, key = f"{prefix}tls_cert", f"{prefix}tls_key"
+    if (values[cert] is None) != (values[key] is None):
+        flags = " and ".join("--" + name.replace("_", "-") for name in (cert, key))
+        raise ConfigError(key if values[key] is None else cert, f": {flags} go together (mutual TLS)")
     try:
-        files = read_tls_files(values["tls_cert"], values["tls_key"], values["tls_ca"])
+        files = read_tls_files(values[cert], values[key], values[f"{prefix}tls_ca"])
     except TlsFileError as error:
-        raise ConfigError(_CLIENT_TLS_FIELDS[error.file], f": {error}") from None
+        raise ConfigError(prefix + _CLIENT_TLS_FIELDS[error.file], f": {error}") from None
     token = None
-    if values["auth_token_file"] is not None:
+    if values[f"{prefix}auth_token_file"] is not None:
         try:
-            token = read_token(values["auth_token_file"])
+            token = read_token(values[f"{prefix}auth_token_file"])
         except ValueError as error:
-            raise ConfigError("auth_token_file", f": {error}") from None
+            raise ConfigError(f"{prefix}auth_token_file", f": {error}") from None
     return ChannelSecurity(
-        is_tls=values["tls"],
+        is_tls=values[f"{prefix}tls"],
         root_certificates=files.ca_bundle,
         certificate_chain=files.certificate_chain,
         private_key=files.private_key,

@@ -55,8 +55,6 @@ from tandem.gateway.replica_metrics import TANDEM_GATEWAY_ENCODER_REPLICAS_LEFT_
 log = logging.getLogger("tandem.gateway")
 PROG = "tandem serve openai"
 ENV_PREFIX = "TANDEM_OPENAI_"
-# The --upstream-* flags, by their keys without the prefix (those of `client_security`).
-UPSTREAM_KEYS = ("tls", "tls_ca", "tls_cert", "tls_key", "auth_token_file")
 
 
 def _setting(flag: str, help: str, **kwargs: Any) -> Setting:
@@ -239,19 +237,10 @@ def config_from_options(values: dict[str, Any]) -> GatewayConfig:
 
 
 def upstream_security(values: dict[str, Any]) -> ChannelSecurity:
-    """The TLS and token towards the services. Raises ConfigError naming the --upstream-* flag at fault:
-    every refusal was once said of --upstream-tls-ca, a token file not found and a certificate without
-    its key included."""
-    cert, key = values["upstream_tls_cert"], values["upstream_tls_key"]
-    if (cert is None) != (key is None):
-        raise ConfigError(
-            "upstream_tls_key" if key is None else "upstream_tls_cert",
-            ": --upstream-tls-cert and --upstream-tls-key go together (mutual TLS)",
-        )
-    try:
-        return client_security({name: values[f"upstream_{name}"] for name in UPSTREAM_KEYS})
-    except ConfigError as error:  # named by its key in `client_security_options`: tls_ca, ...
-        raise ConfigError(f"upstream_{error.field}", error.reason) from None
+    """The TLS and token towards the services, read as every client's are (`client_security`). Raises
+    ConfigError naming the --upstream-* flag at fault: every refusal was once said of --upstream-tls-ca,
+    a token file not found and a certificate without its key included."""
+    return client_security(values, prefix="upstream_")
 
 
 def _start(**values: Any) -> int:
