@@ -191,16 +191,13 @@ class GatewayConfig:
         that is no name ('::::'). The listening host must name an address: an empty one listened on
         every interface of both families, on two different ports for --port 0, one of them logged."""
         for name in ("decoder_address", "encoder_address"):
-            given = address = getattr(self, name)
-            if name == "encoder_address" and address.startswith("dns://"):
-                # Its channel resolves the name itself, and may ask a DNS server of its own: only the
-                # decoder's replicas are watched with the system's resolver.
-                address = "dns:///" + address.removeprefix("dns://").partition("/")[2]
+            address = getattr(self, name)
             try:
-                name_of(address)
-                channel_target(address)
+                if name == "decoder_address":  # its replicas are watched with the system's resolver;
+                    name_of(address)  # the encoder's channel resolves its name, a DNS server its own
+                channel_target(address)  # a dns: target as addresses.dns_name reads it
             except ValueError as error:
-                raise ConfigError(name, ": " + str(error).replace(repr(address), repr(given))) from None
+                raise ConfigError(name, f": {error}") from None
         if not self.host.strip():
             raise ConfigError("host", f"must name an address (0.0.0.0: every IPv4 one), got {self.host!r}")
         if not 0 <= self.port <= 65535:
