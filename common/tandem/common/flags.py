@@ -151,36 +151,22 @@ SIZES = _Sizes()
 
 class _Seconds(click.ParamType):
     """A finite number of seconds, 0 or more: float() takes "nan" (every `< 0` check passes it, and
-    a wait for NaN seconds never ends) and "inf". `is_inf_no_limit`: "inf" too, meaning no limit, for a
-    timeout where waiting for ever is a choice (`tandem wait`), and 0 refused: `wait-for-it -t 0` and
-    `timeout 0` wait for ever where a deadline of 0 would probe once, so either meaning surprises
-    someone; the refusal points at inf."""
+    a wait for NaN seconds never ends) and "inf". (`tandem wait --timeout-s`, where inf means no limit
+    and 0 is refused, has a type of its own: wait_cli._Timeout.)"""
 
     name = "SECONDS"
-
-    def __init__(self, is_inf_no_limit: bool = False) -> None:
-        self.is_inf_no_limit = is_inf_no_limit
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         try:
             seconds = float(value)
         except (TypeError, ValueError):
             self.fail(f"{value!r} is not a number of seconds", param, ctx)
-        if self.is_inf_no_limit:
-            # Only the word: float() reads "1e309" as inf too, and such a number asked for a bound.
-            if seconds == math.inf and str(value).strip().lower().lstrip("+") in ("inf", "infinity"):
-                return seconds
-            if not (math.isfinite(seconds) and seconds > 0):
-                why = " (wait-for-it's -t 0 waits for ever; inf does that here)" if seconds == 0 else ""
-                bound = "must be a number of seconds above 0, or inf for no limit"
-                self.fail(f"{bound}, got {value!r}{why}", param, ctx)
-        elif not (math.isfinite(seconds) and seconds >= 0):
+        if not (math.isfinite(seconds) and seconds >= 0):
             self.fail(f"must be a finite number of seconds, 0 or more, got {value!r}", param, ctx)
         return seconds
 
 
 SECONDS = _Seconds()
-SECONDS_OR_NO_LIMIT = _Seconds(is_inf_no_limit=True)  # "inf": no limit; 0 refused
 # The help of every command: `[env var: ...; default: ...]` after each option, up to 100 columns wide.
 CONTEXT_SETTINGS: dict[str, Any] = {"max_content_width": 100, "help_option_names": ["-h", "--help"]}
 

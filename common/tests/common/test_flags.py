@@ -120,13 +120,6 @@ def test_a_number_past_a_float_s_range_is_not_read_as_no_limit(
     assert f"or inf for no limit, got {timeout!r}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("word", ["inf", "INF", "+inf", "Infinity", " inf "])
-def test_the_word_inf_is_still_no_limit(word: str) -> None:
-    from tandem.common.flags import SECONDS_OR_NO_LIMIT
-
-    assert SECONDS_OR_NO_LIMIT.convert(word, None, None) == float("inf")
-
-
 @pytest.mark.parametrize("flag", ["--auth-token-file", "--tls-ca", "--tls-cert"])
 def test_an_empty_path_flag_is_named_empty_not_dot(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     """click turns '' into Path("."): it was said as ".: Is a directory"."""
