@@ -23,8 +23,8 @@ from tandem.common.torch_part.quantized_tensor import BLOCK as QUANTIZATION_BLOC
 from tandem.common.torch_part.quantized_tensor import SCHEMES
 from tandem.common.torch_part.torch_dtypes import BY_TORCH
 from tandem.decoder.backends import backend as backends
-from tandem.decoder.backends.cpu.kernel_choice import AUTO as AUTO_KERNELS
-from tandem.decoder.backends.cpu.kernel_choice import CPU_KERNELS, KernelOptions
+from tandem.decoder.backends.cpu.kernel_options import AUTO as AUTO_KERNELS
+from tandem.decoder.backends.cpu.kernel_options import CPU_KERNELS, KernelOptions
 from tandem.decoder.backends.cpu.kernels import DTYPE_CODES
 from tandem.decoder.models.attention import PagedAttention
 

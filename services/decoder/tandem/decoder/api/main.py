@@ -56,8 +56,8 @@ from tandem.decoder.api.options import config_from_options, settings
 from tandem.decoder.api.servicer import DecoderServicer
 from tandem.decoder.api.token_table import checkpoint_sample, checkpoint_weight_samples
 from tandem.decoder.backends.backend import BackendUnavailable, check_available, resolve
-from tandem.decoder.backends.cpu.kernel_choice import AUTO as AUTO_KERNELS
 from tandem.decoder.backends.cpu.kernel_choice import check_kernels
+from tandem.decoder.backends.cpu.kernel_options import AUTO as AUTO_KERNELS
 from tandem.decoder.backends.xla.host_pool import check_host_pool
 from tandem.decoder.backends.xla.runtime import check_device_count
 from tandem.decoder.config import DecoderConfig

@@ -19,7 +19,7 @@ from tandem.common.flags import BOOL, PATH, SIZES, Setting, default_of, server_o
 from tandem.common.model_name import served_model_name
 from tandem.common.torch_part.model_cache import default_model_file, model_display_name
 from tandem.decoder.backends.backend import resolve
-from tandem.decoder.backends.cpu.kernel_choice import CPU_KERNELS
+from tandem.decoder.backends.cpu.kernel_options import CPU_KERNELS
 from tandem.decoder.config import (
     DEFAULT_PORT,
     QUANTIZATIONS,

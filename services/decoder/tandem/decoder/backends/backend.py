@@ -32,7 +32,7 @@ import torch
 
 from tandem.client.errors import ConfigError
 from tandem.decoder.backends.cpu import executor as cpu_executor
-from tandem.decoder.backends.cpu.kernel_choice import KernelOptions
+from tandem.decoder.backends.cpu.kernel_options import KernelOptions
 from tandem.decoder.backends.cuda_attention import CudaPagedAttention
 from tandem.decoder.backends.xla import runtime as xla_runtime
 from tandem.decoder.backends.xla.attention import XlaPagedAttention

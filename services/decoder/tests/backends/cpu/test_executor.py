@@ -14,11 +14,11 @@ import torch
 from tandem.common.torch_part.model_cache import resolve_model
 from tandem.common.torch_part.quantized_tensor import quantize
 from tandem.decoder.backends.cpu import executor as cpu_executor
-from tandem.decoder.backends.cpu import kernel_choice
+from tandem.decoder.backends.cpu import int8_tile_choice, kernel_choice
 from tandem.decoder.backends.cpu import kernels as cpu_kernels
 from tandem.decoder.backends.cpu.executor import CpuExecutor, choose_linears
 from tandem.decoder.backends.cpu.isa import CpuInfo, runnable_levels, this_cpu
-from tandem.decoder.backends.cpu.kernel_choice import KernelOptions
+from tandem.decoder.backends.cpu.kernel_options import KernelOptions
 from tandem.decoder.backends.cpu.linear import has_onednn_bf16
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.admission.prompt import GenerateSpec
@@ -85,7 +85,7 @@ def without_avx512_bf16(monkeypatch: pytest.MonkeyPatch) -> CpuInfo:
     emulated = replace(cpu, flags=frozenset(f for f in cpu.flags if f != "avx512_bf16" and "amx" not in f))
     if runnable_levels(emulated)[-1].name != "avx512" or not has_onednn_bf16():
         pytest.skip("emulates an AVX-512 CPU without AVX512-BF16: needs one with AVX-512 and oneDNN's bf16")
-    for module in (kernel_choice, cpu_kernels, cpu_executor):
+    for module in (kernel_choice, int8_tile_choice, cpu_kernels, cpu_executor):
         monkeypatch.setattr(module, "this_cpu", lambda: emulated)
     return emulated
 

@@ -15,8 +15,8 @@ import torch
 
 from services.decoder.tests.lora_adapters import SPECS, make_adapter
 from tandem.decoder.backends.cpu.executor import CpuExecutor
-from tandem.decoder.backends.cpu.kernel_choice import LinearPlan
 from tandem.decoder.backends.cpu.linear import has_onednn_bf16
+from tandem.decoder.backends.cpu.linear_plan import LinearPlan
 from tandem.decoder.backends.cpu.lora import CLora, bind_table
 from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.loader import LoadedModel, load_model

@@ -38,10 +38,11 @@ from typing import Any, Literal
 import torch
 
 from tandem.common.torch_part.quantized_tensor import QuantizedTensor
-from tandem.decoder.backends.cpu import kernel_choice
+from tandem.decoder.backends.cpu import int8_tile_choice, kernel_choice
 from tandem.decoder.backends.cpu.attention import CpuPagedAttention
+from tandem.decoder.backends.cpu.int8_tile_choice import Int8TilePlan
 from tandem.decoder.backends.cpu.isa import CpuInfo, this_cpu
-from tandem.decoder.backends.cpu.kernel_choice import Int8TilePlan, KernelOptions, LinearPlan
+from tandem.decoder.backends.cpu.kernel_options import KernelOptions
 from tandem.decoder.backends.cpu.kernels import DTYPE_CODES, Kernels, load_for_cpu
 from tandem.decoder.backends.cpu.layer import FusedLayer, LayerWeights
 from tandem.decoder.backends.cpu.layer_kernels import c_deltas, per_op
@@ -55,6 +56,7 @@ from tandem.decoder.backends.cpu.linear import (
     can_bind,
     can_prepack,
 )
+from tandem.decoder.backends.cpu.linear_plan import LinearPlan
 from tandem.decoder.backends.cpu.lora import LayerCLora, bind_table
 from tandem.decoder.backends.cpu.ops import register
 from tandem.decoder.backends.cpu.stack import DecodeStack
@@ -271,7 +273,7 @@ class CpuExecutor:
             "c" if plan is not None and kernels is not None else choose_linears(model, kernels)
         )
         tiles = {} if plan is None else {shape: plan.tile_rows(shape) for shape, _ in plan.exact}
-        if int8_plan is not None:  # quantized shapes, none a bf16 linear's (kernel_choice.quantized_weights)
+        if int8_plan is not None:  # quantized shapes, none a bf16 linear's (int8_tile_choice.py)
             tiles |= int8_plan.as_map()
         c_ops = (
             kernels is not None
@@ -461,7 +463,7 @@ def bind(
             kernels,
             dense_rows=options.prefill_rows,
             plan=plan,
-            int8_plan=kernel_choice.int8_tiles(model, kernels, options),
+            int8_plan=int8_tile_choice.int8_tiles(model, kernels, options),
             int8_activations=options.int8_activations,
             lora=lora,
         )
