@@ -85,12 +85,24 @@ async def test_a_fresh_channels_first_burst_reaches_every_replica(
             await channel.close()
 
 
-async def test_a_refused_server_costs_the_first_call_no_wait(servers: list[RunningServer]) -> None:
+# What the gate's timing tests promise is a wait's length against a bound: none for a refused server,
+# the bound for a silent one, half a call's timeout where that is less. Each sets the bound (MAX_WAIT_S)
+# far from what the right wait takes, so the wall clock, which a loaded host stretches (two workers on
+# two cores), decides nothing within seconds: a wait of the wrong length is tens of seconds off.
+LONG_WAIT_S = 30.0  # a bound no right wait comes near
+CALL_TIMEOUT_S = 2 * LONG_WAIT_S  # so half a call's timeout is no nearer
+
+
+async def test_a_refused_server_costs_the_first_call_no_wait(
+    servers: list[RunningServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refusal ends its probe at once: the burst is not held until the bound (1 s, here 30 s)."""
+    monkeypatch.setattr("tandem.client.first_calls.MAX_WAIT_S", LONG_WAIT_S)
     channel = open_channel([servers[0].address, _refused_address()], service="tandem.v1.Decoder")
     try:
         start = time.monotonic()
-        assert await _first_burst(channel, 2) == ["a", "a"]
-        assert time.monotonic() - start < 0.5  # the bound is 1 s; a refusal ends its probe at once
+        assert await _first_burst(channel, 2, timeout=CALL_TIMEOUT_S) == ["a", "a"]
+        assert time.monotonic() - start < LONG_WAIT_S / 3  # milliseconds idle
     finally:
         await channel.close()
 
@@ -98,28 +110,34 @@ async def test_a_refused_server_costs_the_first_call_no_wait(servers: list[Runni
 async def test_a_server_that_never_answers_holds_the_first_call_only_until_the_bound(
     servers: list[RunningServer], silent_address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("tandem.client.first_calls.MAX_WAIT_S", 0.3)
+    """Held the bound (0.5 s here) and no longer: not until half the call's timeout (30 s), nor a
+    second time for the next burst (the bound is then 30 s: a second warm-up would hold it that long)."""
+    monkeypatch.setattr("tandem.client.first_calls.MAX_WAIT_S", 0.5)
     channel = open_channel([servers[0].address, silent_address], service="tandem.v1.Decoder")
     try:
         start = time.monotonic()
-        assert await _first_burst(channel, 2) == ["a", "a"]
-        assert 0.25 < time.monotonic() - start < 1.0
+        assert await _first_burst(channel, 2, timeout=CALL_TIMEOUT_S) == ["a", "a"]
+        assert 0.45 < time.monotonic() - start < LONG_WAIT_S / 3  # ~0.5 s idle; a late host only adds
+        monkeypatch.setattr("tandem.client.first_calls.MAX_WAIT_S", LONG_WAIT_S)
         start = time.monotonic()
-        assert await _first_burst(channel, 2) == ["a", "a"]  # one warm-up per connecting, not per call
-        assert time.monotonic() - start < 0.25
+        # One warm-up per connecting, not per call: the channel is not IDLE now.
+        assert await _first_burst(channel, 2, timeout=CALL_TIMEOUT_S) == ["a", "a"]
+        assert time.monotonic() - start < LONG_WAIT_S / 3
     finally:
         await channel.close()
 
 
 async def test_a_call_keeps_half_its_timeout_however_long_the_warm_up(
-    servers: list[RunningServer], silent_address: str
+    servers: list[RunningServer], silent_address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A call's timeout is not spent on the wait: at most half of it, the call keeping the rest."""
+    """A call's timeout is not spent on the wait: at most half of it, the call keeping the rest. Held
+    1.5 s of a 3 s timeout where the bound is 30 s, its Generate still has 1.5 s: it answers."""
+    monkeypatch.setattr("tandem.client.first_calls.MAX_WAIT_S", LONG_WAIT_S)
     channel = open_channel([servers[0].address, silent_address], service="tandem.v1.Decoder")
     try:
         start = time.monotonic()
-        assert await _first_burst(channel, 1, timeout=0.4) == ["a"]  # held 0.2 s, not the bound's 1 s
-        assert time.monotonic() - start < 0.35
+        assert await _first_burst(channel, 1, timeout=3.0) == ["a"]  # held 1.5 s, not the bound's 30 s
+        assert time.monotonic() - start > 1.45  # it did wait: half, not nothing
     finally:
         await channel.close()
 
