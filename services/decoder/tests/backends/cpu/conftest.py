@@ -13,11 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tandem.decoder.backends.cpu import isa
 from tandem.decoder.backends.cpu import ops as cpu_ops
 from tandem.decoder.backends.cpu.build import SOURCES, X86_64_LEVELS, Level, compile_command
 from tandem.decoder.backends.cpu.kernels import Kernels, KernelsUnavailable, load
+from tandem.decoder.models.loader import load_model
+
+from ...conftest import Checkpoint
 
 TILE_EMULATION = Path(__file__).with_name("tile_emulation.h")
 
@@ -94,3 +98,10 @@ def amx_kernels(flags: set[str]) -> Kernels:
     if not kernels.tiles:
         pytest.skip("the kernel refused this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
     return kernels
+
+
+@pytest.fixture
+def bf16_model(checkpoint: Checkpoint) -> torch.nn.Module:
+    """The test checkpoint in bf16, the model whose linears the kernel choice times (kernel_choice,
+    kernel_cache, int8_tile_choice's tests)."""
+    return load_model(checkpoint.path, dtype="bfloat16").model

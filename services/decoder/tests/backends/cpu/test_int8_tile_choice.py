@@ -65,11 +65,6 @@ def test_int8_tiles_start_at_the_first_row_count_from_which_they_win_by_the_marg
 
 
 @pytest.fixture
-def bf16_model(checkpoint: Checkpoint):
-    return load_model(checkpoint.path, dtype="bfloat16").model
-
-
-@pytest.fixture
 def int8_model(checkpoint: Checkpoint):
     model = load_model(checkpoint.path, dtype="bfloat16").model
     dense = {name: p for name, p in model.named_parameters() if p.dim() == 2}

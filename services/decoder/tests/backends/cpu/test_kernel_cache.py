@@ -18,15 +18,8 @@ from tandem.decoder.backends.cpu.isa import CpuInfo, this_cpu
 from tandem.decoder.backends.cpu.kernel_cache import CACHE_FILE
 from tandem.decoder.backends.cpu.kernel_options import KernelOptions
 from tandem.decoder.backends.cpu.kernels import load_for_cpu
-from tandem.decoder.models.loader import load_model
 
-from ...conftest import Checkpoint
 from .fake_measure import counted_measure
-
-
-@pytest.fixture
-def bf16_model(checkpoint: Checkpoint):
-    return load_model(checkpoint.path, dtype="bfloat16").model
 
 
 def test_a_second_start_reads_the_cached_choice_and_times_nothing(

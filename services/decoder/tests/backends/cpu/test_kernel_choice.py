@@ -17,16 +17,9 @@ from tandem.decoder.backends.cpu.kernel_timing import projections
 from tandem.decoder.backends.cpu.kernels import load_for_cpu
 from tandem.decoder.backends.cpu.linear import PackedLinear, has_onednn_bf16
 from tandem.decoder.backends.cpu.linear_plan import LinearPlan, Shape
-from tandem.decoder.models.loader import load_model
 
-from ...conftest import Checkpoint
 from ...models.helpers import PagedRun
 from .fake_measure import counted_measure
-
-
-@pytest.fixture
-def bf16_model(checkpoint: Checkpoint):
-    return load_model(checkpoint.path, dtype="bfloat16").model
 
 
 def test_cpu_kernels_names_a_build_and_nothing_is_timed(bf16_model, monkeypatch: pytest.MonkeyPatch) -> None:
