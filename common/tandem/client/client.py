@@ -1,12 +1,13 @@
 """Async clients for both services (used by the CLI, the tests and the benchmarks, and by callers).
 
 Thin wrappers over the generated stubs, on a channel that sets the message-size limit, keepalive,
-retries, TLS and token the servers expect (`channel.py`), and that build requests from plain Python
-values. Errors surface as `grpc.aio.AioRpcError`; `grpc_status.rpc_status.aio.from_call` reads
-their google.rpc details.
+retries, TLS and token the servers expect (`channel.py`; its health, shared by both clients, in
+`service_client.py`), and that build requests from plain Python values (`generate_requests.py`).
+Errors surface as `grpc.aio.AioRpcError`; `grpc_status.rpc_status.aio.from_call` reads their
+google.rpc details.
 
 OpenTelemetry is optional: nothing here imports it at load. Without a `telemetry` argument a client
-takes the process's own when the `OTEL_*` environment asks for an exporter (`telemetry_from_environ`),
+takes the process's own when the `OTEL_*` environment asks for an exporter (`client_telemetry.py`),
 as the services do; with tracing on, each Generate and Embed gets a gen_ai client span
 (`tandem.client.telemetry.client_spans`) over the OpenTelemetry gRPC client span, and carries W3C trace
 context, so the servers' spans join the caller's trace. With metrics on, Generate and Embed record
@@ -21,331 +22,53 @@ balances over them (`tandem.client.channel`).
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
-import logging
-import os
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from . import semconv
-from .addresses import server_of
-from .channel import DEFAULT_MAX_MESSAGE_BYTES, open_channel
-from .errors import InvalidArgument
+from .channel import DEFAULT_MAX_MESSAGE_BYTES
+from .client_telemetry import CallDuration, call_attributes, telemetry_from_environ
+from .generate_requests import (
+    ChatPart,
+    ChatTurn,
+    EncoderPart,
+    ImageRows,
+    Segment,
+    chat_prompt,
+    prompt_segments,
+    set_options,
+    structured_output,
+)
 from .observed_stream import ObservedStream, StreamObserver
 from .pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc, tensor_pb2
 from .security import PLAINTEXT, ChannelSecurity
+from .service_client import ServiceClient
 from .status import error_type
 
 if TYPE_CHECKING:  # OpenTelemetry is optional: a caller that passes telemetry has it installed
-    from .telemetry import ClientMetrics, Telemetry
-    from .telemetry.client_spans import ClientSpans
+    from .telemetry import Telemetry
 
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ImageRows:
-    """An image's rows from the encoder (`EncoderClient.embed_image`), as a chat message part: the
-    model's chat template places them where it puts an image."""
-
-    rows: tensor_pb2.Tensor  # [n, hidden_size], the image's whole span
-
-
-@dataclass(frozen=True)
-class EncoderPart:
-    """An input whose rows the decoder fetches from its own encoder (a decoder started with --encoder:
-    GetModelInfo.accepts_encoder_parts), so they never pass through the caller. Exactly one field is
-    set; in a chat an image is placed by the model's template, as ImageRows are."""
-
-    image: bytes | None = None  # PNG, JPEG, WebP or GIF bytes
-    text: str | None = None
-    token_ids: Sequence[int] | None = None
-
-    def to_pb(self) -> encoder_pb2.EncoderInput:
-        given = [value is not None for value in (self.image, self.text, self.token_ids)]
-        if sum(given) != 1:
-            raise ValueError("an EncoderPart holds exactly one of image, text or token_ids")
-        if self.image is not None:
-            return encoder_pb2.EncoderInput(image=encoder_pb2.Image(data=self.image))
-        if self.text is not None:
-            return encoder_pb2.EncoderInput(text=self.text)
-        return encoder_pb2.EncoderInput(token_ids=tensor_pb2.TokenIds(ids=list(self.token_ids or ())))
+# The wheel's API (docs/API.md): the clients, and what their calls are built from, importable from here.
+__all__ = [
+    "ChannelSecurity",
+    "ChatPart",
+    "ChatTurn",
+    "DecoderClient",
+    "EncoderClient",
+    "EncoderPart",
+    "ImageRows",
+    "Segment",
+    "chat_prompt",
+    "prompt_segments",
+    "structured_output",
+    "telemetry_from_environ",
+]
 
 
-# text, token IDs, packed embeddings, or an input for the decoder's encoder
-Segment = str | Sequence[int] | tensor_pb2.Tensor | EncoderPart
-ChatPart = Segment | ImageRows
-# {"role": "user", "content": "..." or [parts] (None, absent or [] is empty text), optionally "name": "alice"
-ChatTurn = Mapping[str, str | Sequence[ChatPart] | None]
-
-
-def prompt_segments(parts: Sequence[Segment]) -> list[decoder_pb2.PromptSegment]:
-    segments = []
-    for part in parts:
-        if isinstance(part, str):
-            segments.append(decoder_pb2.PromptSegment(text=part))
-        elif isinstance(part, tensor_pb2.Tensor):
-            segments.append(decoder_pb2.PromptSegment(embeddings=part))
-        elif isinstance(part, EncoderPart):
-            segments.append(decoder_pb2.PromptSegment(encoder=part.to_pb()))
-        else:
-            segments.append(decoder_pb2.PromptSegment(token_ids=tensor_pb2.TokenIds(ids=list(part))))
-    return segments
-
-
-def _turn_parts(content: object, i: int) -> Sequence[ChatPart]:
-    """A turn's parts; None (or no content) and [] are one part of empty text. Only a list or tuple is
-    parts: `content or []` took False, 0 and {} for empty text, and list() an OpenAI part object not in
-    a list for its keys, where the gateway refuses both in these words."""
-    if isinstance(content, str):
-        return [content]
-    if content is None:
-        return [""]
-    if not isinstance(content, (list, tuple)):
-        raise InvalidArgument(
-            f"messages[{i}].content",
-            f"must be a string or a list of content parts, got {type(content).__name__}",
-        )
-    return content or [""]
-
-
-def chat_prompt(
-    messages: Sequence[ChatTurn],
-    add_generation_prompt: bool = True,
-    chat_template: str | None = None,
-    template_kwargs: dict[str, object] | None = None,
-) -> decoder_pb2.ChatPrompt:
-    """The ChatPrompt message for `messages` ({"role": ..., "content": str or a list of parts, and
-    optionally "name": the participant's, which templates that print it read}). A content of [], None or
-    none at all is a turn of empty text, as the gateway sends it (vLLM renders them so): the decoder
-    refuses a turn of no parts."""
-    prompt = decoder_pb2.ChatPrompt(add_generation_prompt=add_generation_prompt)
-    for i, message in enumerate(messages):
-        parts = _turn_parts(message.get("content"), i)
-        turn = prompt.messages.add(role=str(message["role"]))
-        if (name := message.get("name")) is not None:
-            # Refused as the gateway refuses it: str() sent ["alice"] to the template as "['alice']".
-            if not isinstance(name, str):
-                raise InvalidArgument(f"messages[{i}].name", f"must be a string, got {type(name).__name__}")
-            turn.name = name
-        for part in parts:
-            if isinstance(part, str):
-                turn.content.add(text=part)
-            elif isinstance(part, ImageRows):
-                turn.content.add(image=part.rows)
-            elif isinstance(part, tensor_pb2.Tensor):
-                turn.content.add(embeddings=part)
-            elif isinstance(part, EncoderPart):
-                turn.content.add(encoder=part.to_pb())
-            else:
-                turn.content.add(token_ids=tensor_pb2.TokenIds(ids=list(part)))
-    if chat_template is not None:
-        prompt.chat_template = chat_template
-    if template_kwargs:
-        prompt.template_kwargs.update(template_kwargs)
-    return prompt
-
-
-def structured_output(
-    *,
-    json_schema: str | Mapping[str, object] | None = None,
-    json_object: bool = False,
-    regex: str | None = None,
-    choice: Sequence[str] | None = None,
-    grammar: str | None = None,
-) -> decoder_pb2.StructuredOutput:
-    """A `structured=` value for generate / chat: exactly one of the arguments (a schema may be a dict)."""
-    given = [json_schema is not None, json_object, regex is not None, choice is not None, grammar is not None]
-    if sum(given) != 1:
-        raise ValueError("give exactly one of json_schema, json_object, regex, choice or grammar")
-    if json_schema is not None:
-        text = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
-        return decoder_pb2.StructuredOutput(json_schema=text)
-    if json_object:
-        return decoder_pb2.StructuredOutput(json_object=True)
-    if regex is not None:
-        return decoder_pb2.StructuredOutput(regex=regex)
-    if choice is not None:
-        return decoder_pb2.StructuredOutput(choice=decoder_pb2.StructuredChoices(choices=list(choice)))
-    return decoder_pb2.StructuredOutput(grammar=grammar)
-
-
-def _set_options(
-    request: decoder_pb2.GenerateRequest,
-    max_new_tokens: int | None,
-    temperature: float | None,
-    seed: int | None,
-    stopping_and_output: dict[str, object],
-) -> None:
-    """Keyword arguments onto the request: the named ones, then stopping, output or the request's own
-    fields (speculative_tokens, plain_text, adapter) by name."""
-    if max_new_tokens is not None:
-        request.stopping.max_new_tokens = max_new_tokens
-    if temperature is not None:
-        request.sampling.temperature = temperature
-    if seed is not None:
-        request.sampling.seed = seed
-    for key, value in stopping_and_output.items():
-        if key == "structured":  # a message field: structured_output() builds it
-            request.structured.CopyFrom(value)  # type: ignore[arg-type]
-            continue
-        target: object = request
-        if key in request.stopping.DESCRIPTOR.fields_by_name:
-            target = request.stopping
-        elif key in request.output.DESCRIPTOR.fields_by_name:
-            target = request.output
-        field = getattr(target, key)
-        if hasattr(field, "extend"):
-            field.extend(value)  # type: ignore[arg-type]
-        else:
-            setattr(target, key, value)
-
-
-def _attributes(operation: str, model: str) -> dict[str, str]:
-    attributes = {semconv.GEN_AI_OPERATION_NAME: operation, semconv.GEN_AI_PROVIDER_NAME: semconv.PROVIDER}
-    if model:
-        attributes[semconv.GEN_AI_REQUEST_MODEL] = model
-    return attributes
-
-
-class _CallDuration:
-    """A Generate call's `gen_ai.client.operation.duration`, recorded as its end is read (an
-    `ObservedStream`'s observer: a command that shuts telemetry down right after keeps it)."""
-
-    def __init__(self, metrics: ClientMetrics, attributes: dict[str, str]) -> None:
-        self._metrics = metrics
-        self._attributes = attributes
-        self._start = time.monotonic()
-
-    def on_response(self, response: decoder_pb2.GenerateResponse) -> None:
-        pass
-
-    def on_end(self, code: grpc.StatusCode, details: str | None) -> None:
-        ok = code == grpc.StatusCode.OK
-        attributes = self._attributes if ok else {**self._attributes, semconv.ERROR_TYPE: code.name}
-        self._metrics.record(attributes, time.monotonic() - self._start)
-
-
-def telemetry_from_environ(environ: Mapping[str, str] | None = None) -> Telemetry | None:
-    """The process's client telemetry when `OTEL_*` asks for an exporter, else None.
-
-    Built once per process and environment (OpenTelemetry's providers are per process too), and
-    flushed at exit. None, with a warning, when OpenTelemetry is not installed.
-    """
-    variables = {
-        k: v for k, v in (os.environ if environ is None else environ).items() if k.startswith("OTEL_")
-    }
-    return _telemetry_for(tuple(sorted(variables.items()))) if variables else None
-
-
-@functools.cache
-def _telemetry_for(variables: tuple[tuple[str, str], ...]) -> Telemetry | None:
-    try:
-        from .telemetry import TelemetrySettings, setup_telemetry
-    except ImportError:
-        log.warning("OTEL_* is set but OpenTelemetry is not installed: pip install 'tandem-client[otel]'")
-        return None
-    environ = dict(variables)
-    settings = TelemetrySettings.from_environ("tandem-client", environ)
-    if not settings.traces_exporters and not settings.metrics_exporters:
-        return None
-    return setup_telemetry("tandem-client", environ, owns_process=False)  # the application's propagator stays
-
-
-# How a server answers a Watch past its bounds (common/health.py): UNIMPLEMENTED while it serves (so
-# that gRPC's own health checking assumes it healthy), RESOURCE_EXHAUSTED while it does not.
-_WATCH_REFUSED = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
-
-
-class _Client:
-    def __init__(
-        self,
-        address: str | Sequence[str],
-        max_message_bytes: int,
-        telemetry: Telemetry | None,
-        security: ChannelSecurity,
-        service: str,
-        is_health_checked: bool,
-    ) -> None:
-        telemetry = telemetry if telemetry is not None else telemetry_from_environ()
-        interceptors = telemetry.client_interceptors() if telemetry is not None else []
-        self.channel = open_channel(
-            address, max_message_bytes, security, interceptors, service, is_health_checked=is_health_checked
-        )
-        self._health = health_pb2_grpc.HealthStub(self.channel)
-        self._metrics: ClientMetrics | None = None
-        self._spans: ClientSpans | None = None
-        if telemetry is not None and telemetry.is_metrics:
-            from .telemetry.metrics import ClientMetrics  # here: OpenTelemetry is optional
-
-            self._metrics = ClientMetrics(telemetry.meter)
-        if telemetry is not None and telemetry.is_tracing:
-            from .telemetry.client_spans import ClientSpans
-
-            self._spans = ClientSpans(telemetry.tracer, server_of(address))
-
-    async def health(self, service: str = "", timeout: float = 5.0) -> int:
-        """The server's health status for `service` ("" = the whole server)."""
-        reply = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-        return reply.status
-
-    async def wait_serving(self, timeout: float = 120.0) -> None:
-        """Block until health says SERVING (the model is loaded and warmed up).
-
-        A balanced channel picks only SERVING servers, so until one is, the check itself is
-        UNAVAILABLE: asked again until `timeout`."""
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("the server never became SERVING")
-            try:
-                stream = self._health.Watch(
-                    health_pb2.HealthCheckRequest(service=""), timeout=remaining, wait_for_ready=True
-                )
-                async for reply in stream:
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        stream.cancel()
-                        return
-            except grpc.aio.AioRpcError as error:
-                if error.code() in _WATCH_REFUSED:
-                    if await self._check_serving(deadline - time.monotonic()):
-                        return
-                elif error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise
-            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-
-    async def _check_serving(self, remaining: float) -> bool:
-        """Whether a Check says SERVING, for a server that refused this client's Watch (its places
-        held from this address: health.py). Check is never refused; a server without health at all
-        answers it UNIMPLEMENTED too, raised."""
-        try:
-            reply = await self._health.Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=max(remaining, 0.001), wait_for_ready=True
-            )
-        except grpc.aio.AioRpcError as error:
-            if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-
-class DecoderClient(_Client):
+class DecoderClient(ServiceClient):
     def __init__(
         self,
         address: str | Sequence[str] = "127.0.0.1:50052",
@@ -376,15 +99,15 @@ class DecoderClient(_Client):
             request = prompt
         else:
             request = decoder_pb2.GenerateRequest(prompt=prompt_segments(prompt))
-            _set_options(request, max_new_tokens, temperature, seed, stopping_and_output)
+            set_options(request, max_new_tokens, temperature, seed, stopping_and_output)
 
         def start() -> grpc.aio.UnaryStreamCall:
             return self.stub.Generate(request, timeout=timeout)
 
         observers: list[StreamObserver] = []
         if self._metrics is not None:  # timed from before the call starts, as the span is
-            attributes = _attributes(semconv.OPERATION_TEXT_COMPLETION, request.model)
-            observers.append(_CallDuration(self._metrics, attributes))
+            attributes = call_attributes(semconv.OPERATION_TEXT_COMPLETION, request.model)
+            observers.append(CallDuration(self._metrics, attributes))
         if self._spans is None:
             call = start()
         else:
@@ -414,7 +137,7 @@ class DecoderClient(_Client):
         request = decoder_pb2.GenerateRequest(
             chat=chat_prompt(messages, add_generation_prompt, chat_template, template_kwargs)
         )
-        _set_options(request, max_new_tokens, temperature, seed, stopping_and_output)
+        set_options(request, max_new_tokens, temperature, seed, stopping_and_output)
         return self.generate(request, timeout=timeout)
 
     async def generate_text(
@@ -439,7 +162,7 @@ class DecoderClient(_Client):
         assert finished is not None
         if self._metrics is not None:
             self._metrics.record_usage(
-                _attributes(semconv.OPERATION_TEXT_COMPLETION, ""),
+                call_attributes(semconv.OPERATION_TEXT_COMPLETION, ""),
                 finished.usage.input_tokens,
                 finished.usage.output_tokens,
             )
@@ -470,7 +193,7 @@ class DecoderClient(_Client):
         return list(reply.adapters)
 
 
-class EncoderClient(_Client):
+class EncoderClient(ServiceClient):
     def __init__(
         self,
         address: str | Sequence[str] = "127.0.0.1:50051",
@@ -514,7 +237,7 @@ class EncoderClient(_Client):
     async def _embed(self, request: encoder_pb2.EmbedRequest, timeout: float) -> encoder_pb2.EmbedResponse:
         if self._metrics is None:
             return await self.stub.Embed(request, timeout=timeout)
-        attributes = _attributes(semconv.OPERATION_EMBEDDINGS, "")
+        attributes = call_attributes(semconv.OPERATION_EMBEDDINGS, "")
         start = time.monotonic()
         try:
             response = await self.stub.Embed(request, timeout=timeout)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.client.client import chat_prompt
 from tandem.client.errors import InvalidArgument
+from tandem.client.generate_requests import chat_prompt
 
 
 def test_a_chat_turns_name_is_carried_and_a_turn_without_one_sends_none() -> None:
