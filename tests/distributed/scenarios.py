@@ -23,7 +23,7 @@ from tandem.decoder.distributed.parallel import ParallelContext
 from tandem.decoder.distributed.worker import run_steps
 from tandem.decoder.engine.admission.chat import ChatTemplate
 from tandem.decoder.engine.admission.prompt import EmbeddingPrompt, GenerateSpec, TextPrompt
-from tandem.decoder.engine.front import engine as engine_module
+from tandem.decoder.engine.front import core_assembly
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import Delta, Failed, OutputOptions
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
@@ -339,12 +339,12 @@ def _rank_zero_failing_at(point: str) -> Iterator[None]:
     def refuse(*_: object, **__: object) -> None:
         raise RuntimeError(f"injected at {point}")
 
-    saved = (ChatTemplate.__dict__["load"], engine_module.EngineCore)
+    saved = (ChatTemplate.__dict__["load"], core_assembly.EngineCore)
     if point == "template":
         ChatTemplate.load = refuse  # type: ignore[method-assign,assignment]
     if point == "core":
-        engine_module.EngineCore = refuse  # type: ignore[assignment,misc]
+        core_assembly.EngineCore = refuse  # type: ignore[assignment,misc]
     try:
         yield
     finally:
-        ChatTemplate.load, engine_module.EngineCore = saved  # type: ignore[misc]
+        ChatTemplate.load, core_assembly.EngineCore = saved  # type: ignore[misc]

@@ -381,7 +381,7 @@ async def test_a_hostile_grammar_costs_its_caller_an_error_while_health_answers(
 
 async def test_a_grammar_requests_time_to_first_token_counts_its_wait_to_be_built(decoder: Served) -> None:
     # Grammars build one at a time: stamped when built, a client's 1.56 s first token read 0.02 s.
-    builder = decoder.engine._structured_builder
+    builder = decoder.engine._builders.structured
     in_front = threading.Event()
     builder.submit("another caller", in_front.wait, 10)  # another caller's grammar, in front
     answer = asyncio.ensure_future(_answer(decoder, structured_output(regex="a+"), max_new_tokens=2))

@@ -16,6 +16,7 @@ from tandem.client.errors import ConfigError
 from tandem.common.memory_limit import MemoryLimit
 from tandem.decoder.backends.backend import resolve
 from tandem.decoder.config import EngineConfig
+from tandem.decoder.engine.front import core_assembly
 from tandem.decoder.engine.front import engine as engine_module
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.models import kv_pool
@@ -28,12 +29,12 @@ def test_a_pool_the_host_cannot_hold_is_refused_before_its_block_table_is_built(
 ) -> None:
     built: list[int] = []
 
-    class CountedBlockManager(engine_module.BlockManager):
+    class CountedBlockManager(core_assembly.BlockManager):
         def __init__(self, num_blocks: int, *args: object) -> None:
             built.append(num_blocks)
             super().__init__(num_blocks, *args)
 
-    monkeypatch.setattr(engine_module, "BlockManager", CountedBlockManager)
+    monkeypatch.setattr(core_assembly, "BlockManager", CountedBlockManager)
     monkeypatch.setattr(kv_pool, "memory_limit", lambda: MemoryLimit(1 << 20, None))
     config = EngineConfig(model_dir=tiny_model_dir, dtype="float32", num_kv_blocks=1 << 20)
     with pytest.raises(ConfigError) as refused:

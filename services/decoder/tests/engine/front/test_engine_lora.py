@@ -6,35 +6,20 @@ and speculating."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from services.decoder.tests.lora_adapters import SPECS, make_adapter
-from tandem.client.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from tandem.decoder.config import EngineConfig
 from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest
 from tandem.decoder.engine.admission.prompt import GenerateSpec, TextPrompt
 from tandem.decoder.engine.front.engine import Engine
-from tandem.decoder.engine.outputs.backpressure import MAX_UNREAD_TOKENS
-from tandem.decoder.engine.outputs.outputs import Accepted, Delta, Failed, Finished
+from tandem.decoder.engine.outputs.outputs import Delta, Finished
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
-from tandem.decoder.engine.scheduling.adapters import Adapter
 
 PROMPT = [17, 402, 33, 981, 5, 250, 250, 731, 64, 12]
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[tuple[str, Path], ...]:
-    out = tmp_path_factory.mktemp("adapters")
-    return tuple(
-        (name, make_adapter(tiny_model_dir, out / name, SPECS[name], seed=i))
-        for i, name in enumerate(("qv4", "mlp8"))
-    )
 
 
 def engine(model_dir: Path, adapters, **settings) -> Engine:
@@ -104,7 +89,6 @@ def test_a_chat_with_structured_output_answers_from_the_grammar_with_an_adapter(
 def test_batch_invariant_adapted_requests_keep_tokens_and_logprobs_whatever_shares_the_batch(
     tiny_model_dir: Path, adapters
 ) -> None:
-    import threading
 
     def one(e: Engine, adapter: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
         ds = deltas(e, spec(adapter, sampling=SamplingParams(temperature=0.8, seed=7, logprobs=True)))
@@ -128,7 +112,6 @@ def test_batch_invariant_adapted_requests_keep_tokens_and_logprobs_whatever_shar
 def test_on_the_fused_bf16_path_an_adapted_requests_tokens_are_the_same_alone_among_others_and_speculating(
     tiny_model_dir: Path, adapters
 ) -> None:
-    import threading
 
     # bf16 on the C kernels: the fused layers and the one-call decode stack add the deltas (float32
     # runs per op). Verify rows take the per-layer fused calls, plain decode steps the stack, and a
@@ -163,89 +146,3 @@ def test_on_the_fused_bf16_path_an_adapted_requests_tokens_are_the_same_alone_am
     assert {name: tokens for name, (tokens, _) in speculating.items()} == alone
     assert sum(proposed for _, proposed in speculating.values()) > 0  # verify rows ran with the adapters
     assert alone["qv4"] != alone[""] and alone["mlp8"] != alone[""]  # the adapters change the answer
-
-
-def test_a_load_needing_the_slot_of_an_unloaded_adapter_whose_requests_wait_for_readers_ends_them(
-    tiny_model_dir: Path, adapters
-) -> None:
-    """A stream nobody reads pauses; once its adapter is unloaded, it keeps the slot while a load finds
-    another one free, and a load that needs that slot ends it (FAILED_PRECONDITION naming the unload,
-    after the tokens it had) instead of RESOURCE_EXHAUSTED for ever."""
-    (qv4, qv4_path), (_, mlp8_path) = adapters
-    stopping = StoppingParams(max_new_tokens=3 * MAX_UNREAD_TOKENS, ignore_eos=True)
-    with engine(tiny_model_dir, adapters, max_loras=3) as e:
-        reader = e.generate(GenerateSpec([PROMPT], SamplingParams(temperature=0.0), stopping, adapter=qv4))
-        assert isinstance(next(reader), Accepted)  # then nothing is taken
-        deadline = time.monotonic() + 60
-        while e.core.scheduler.num_paused == 0:
-            assert time.monotonic() < deadline, "never paused"
-            time.sleep(0.01)
-        assert e.unload_adapter(qv4) == 1
-        asyncio.run(e.load_adapter("x", qv4_path))  # a free slot: the slow reader keeps its stream
-        assert e.core.scheduler.num_paused == 1
-        asyncio.run(e.load_adapter("y", mlp8_path))  # qv4's slot, held by the paused request alone
-        assert [a.name for a in e.adapters] == ["mlp8", "x", "y"] and e.core.num_live() == 0
-        blocks = e.core.block_manager
-        assert blocks.num_free_blocks == blocks.num_total_blocks
-        rest = list(reader)
-        assert sum(len(event.token_ids) for event in rest if isinstance(event, Delta)) > MAX_UNREAD_TOKENS
-        assert isinstance(rest[-1], Failed) and isinstance(rest[-1].error, FailedPrecondition)
-        assert "adapter 'qv4' was unloaded while this request was paused" in rest[-1].error.message
-        with pytest.raises(ResourceExhausted, match="each holds a loaded adapter: unload one first") as full:
-            asyncio.run(e.load_adapter("z", qv4_path))
-        assert full.value.retry_after_s is None  # only an UnloadAdapter frees a slot: no retry hint
-
-
-def test_only_a_load_that_installs_ends_paused_requests_and_two_loads_take_two_such_slots(
-    tiny_model_dir: Path, adapters, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A load that fails on its files ends no paused request (it took no slot), and two loads at once,
-    with two draining slots held only by paused requests, both load: each install takes a slot of its
-    own (each check had only tested that one could be freed)."""
-    (qv4, _), (mlp8, mlp8_path) = adapters
-    stopping = StoppingParams(max_new_tokens=3 * MAX_UNREAD_TOKENS, ignore_eos=True)
-    with engine(tiny_model_dir, adapters, max_loras=2) as e:
-        readers = [
-            e.generate(GenerateSpec([PROMPT], SamplingParams(temperature=0.0), stopping, adapter=name))
-            for name in (qv4, mlp8)
-        ]
-        for reader in readers:
-            assert isinstance(next(reader), Accepted)  # then nothing is taken
-        deadline = time.monotonic() + 60
-        while e.core.scheduler.num_paused < 2:
-            assert time.monotonic() < deadline, "never paused"
-            time.sleep(0.01)
-        assert e.unload_adapter(qv4) == 1 and e.unload_adapter(mlp8) == 1
-        with pytest.raises(InvalidArgument):
-            asyncio.run(e.load_adapter("missing", tmp_path / "missing"))
-        assert e.core.scheduler.num_paused == 2 and e.core.num_live() == 2
-
-        # Both loads pass their checks before either installs (the reader thread checks the second
-        # while the first waits for the engine thread), as they may when the engine is busy.
-        checked = threading.Condition()
-        num_checked = 0
-        check, queue_install = e.core.check_can_load, e.core.between_steps
-
-        def counted_check(name: str) -> None:
-            nonlocal num_checked
-            check(name)
-            with checked:
-                num_checked += 1
-                checked.notify_all()
-
-        def install_after_both_checks(fn):
-            with checked:
-                assert checked.wait_for(lambda: num_checked == 2, timeout=30)
-            return queue_install(fn)
-
-        monkeypatch.setattr(e.core, "check_can_load", counted_check)
-        monkeypatch.setattr(e.core, "between_steps", install_after_both_checks)
-
-        async def load_two() -> list[Adapter]:
-            return await asyncio.gather(e.load_adapter("x", mlp8_path), e.load_adapter("y", mlp8_path))
-
-        assert sorted(a.slot for a in asyncio.run(load_two())) == [0, 1]
-        assert e.core.num_live() == 0
-        for reader in readers:
-            last = list(reader)[-1]
-            assert isinstance(last, Failed) and "a LoadAdapter took its slot" in last.error.message

@@ -17,8 +17,7 @@ from services.decoder.tests.engine.engine_helpers import run_concurrently as _ru
 from services.decoder.tests.engine.engine_helpers import tokens as _tokens
 from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.decoder.config import EngineConfig
-from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest
-from tandem.decoder.engine.admission.prompt import GenerateSpec, TextPrompt
+from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished, FinishReason
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
@@ -188,83 +187,6 @@ def test_a_requests_first_step_takes_the_first_mask_its_grammar_was_built_with(
         assert len(request.threads) == len(answer)
 
 
-def test_a_plain_prompt_is_not_built_behind_a_grammar_being_compiled(
-    tiny_model_dir: Path, tiny_fp32: LoadedModel
-) -> None:
-    """Six hostile grammars, 2 s each to compile, on the one request-building thread held a plain
-    neighbour's first token back 16-20 s: grammars build on a thread of their own."""
-    stopping = StoppingParams(max_new_tokens=2)
-    grammar = GenerateSpec([PROMPT], stopping=stopping, structured=StructuredOutput("regex", "a+"))
-    plain = GenerateSpec([PROMPT], stopping=stopping)
-    with _engine(tiny_model_dir, tiny_fp32) as engine:
-        compiling, release = threading.Event(), threading.Event()
-        make_request = engine.make_request
-
-        def slow_grammars(spec: GenerateSpec):
-            if spec.structured is not None:
-                compiling.set()
-                release.wait(5)
-            return make_request(spec)
-
-        engine.make_request = slow_grammars
-
-        async def collect(spec: GenerateSpec) -> list[Event]:
-            return [event async for event in engine.stream(spec)]
-
-        async def run() -> tuple[list[Event], list[Event]]:
-            constrained = asyncio.ensure_future(collect(grammar))
-            while not compiling.is_set():
-                await asyncio.sleep(0.01)
-            try:
-                beside = await asyncio.wait_for(collect(plain), 3)
-            finally:
-                release.set()
-            return beside, await constrained
-
-        beside, constrained = asyncio.run(run())
-    assert isinstance(beside[-1], Finished) and isinstance(constrained[-1], Finished)
-
-
-def test_a_chat_is_not_built_behind_chats_whose_grammars_are_being_compiled(
-    tiny_model_dir: Path, tiny_fp32: LoadedModel
-) -> None:
-    """Chats with a grammar compiled on the chat threads: a caller's 24 schemas held its own plain chat
-    2-4.6 s behind them, and two at once (as many as the threads) held every caller's. They build on
-    the grammar thread, as prompts with one do."""
-    stopping = StoppingParams(max_new_tokens=2)
-    chat = ChatRequest(messages=[ChatMessage("user", [TextPrompt("hi")])])
-    grammar = GenerateSpec([], stopping=stopping, chat=chat, structured=StructuredOutput("regex", "a+"))
-    plain = GenerateSpec([], stopping=stopping, chat=chat)
-    with _engine(tiny_model_dir, tiny_fp32) as engine:
-        compiling, release = threading.Semaphore(0), threading.Event()
-        make_request = engine.make_request
-
-        def slow_grammars(spec: GenerateSpec):
-            if spec.structured is not None:
-                compiling.release()
-                release.wait(5)
-            return make_request(spec)
-
-        engine.make_request = slow_grammars
-
-        async def collect(spec: GenerateSpec) -> list[Event]:
-            return [event async for event in engine.stream(spec)]
-
-        async def run() -> tuple[list[Event], list[list[Event]]]:
-            constrained = [asyncio.ensure_future(collect(grammar)) for _ in range(2)]  # one a chat thread
-            while not compiling.acquire(blocking=False):
-                await asyncio.sleep(0.01)
-            try:
-                beside = await asyncio.wait_for(collect(plain), 3)
-            finally:
-                release.set()
-            return beside, list(await asyncio.gather(*constrained))
-
-        beside, constrained = asyncio.run(run())
-    assert isinstance(beside[-1], Finished)
-    assert all(isinstance(events[-1], Finished) for events in constrained)
-
-
 def test_a_step_whose_grammars_cost_over_its_budget_fails_them_and_its_plain_neighbour_goes_on(
     tiny_model_dir: Path, tiny_fp32: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -358,7 +280,7 @@ def test_a_grammar_request_counts_its_wait_for_its_building_thread_in_its_metric
         structured=StructuredOutput("regex", "a+"),
     )
     with _engine(tiny_model_dir, tiny_fp32) as engine:
-        engine._structured_builder.submit("another caller", time.sleep, 0.3)  # another grammar's, in front
+        engine._builders.structured.submit("another caller", time.sleep, 0.3)  # another grammar's, in front
 
         async def collect() -> list[Event]:
             return [event async for event in engine.stream(spec)]
