@@ -48,18 +48,18 @@ def _encoded(image_format: str, size: tuple[int, int] = (20, 10), mode: str = "R
     return out.getvalue()
 
 
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
 def _png_claiming(width: int, height: int) -> bytes:
     """A valid PNG header for width x height with one tiny compressed row: a decompression bomb's shape."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return (
         b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", header)
-        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-        + chunk(b"IEND", b"")
+        + _chunk(b"IHDR", header)
+        + _chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + _chunk(b"IEND", b"")
     )
 
 
@@ -218,10 +218,6 @@ def test_a_jpeg_of_many_scans_is_refused_before_decoding() -> None:
         decode_image(many, MAX_BYTES, MAX_PIXELS)
 
 
-def _chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-
 def _jpeg_with(segments: bytes, after_first_scan: bytes = b"") -> bytes:
     """An 8 x 8 JPEG with `segments` after its SOI, and `after_first_scan` after its scan's header."""
     data = _encoded("JPEG", (8, 8))
@@ -246,6 +242,45 @@ def test_a_file_of_more_chunks_or_segments_than_any_picture_has_is_refused_befor
     fewer = png[:33] + _chunk(b"abCd", b"") * 1000 + png[33:]
     assert (png_chunks(fewer).num_chunks, png_chunks(fewer).num_profiles) == (1003, 0)
     assert jpeg_segments(_jpeg_with(b"\xff\xe5\x00\x02" * 1000)).num_segments > 1000
+
+
+def _png_of(*chunks: bytes, side: int = 6, bit_depth: int = 8, colour_type: int = 2) -> bytes:
+    """A side x side PNG of one colour, 8-bit samples, with `chunks` between its IHDR and its pixels."""
+    header = _chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, bit_depth, colour_type, 0, 0, 0))
+    row = b"\0" + (b"\x12\x56\x9a" if colour_type == 2 else b"\x01") * side
+    pixels = _chunk(b"IDAT", zlib.compress(row * side))
+    return b"\x89PNG\r\n\x1a\n" + header + b"".join(chunks) + pixels + _chunk(b"IEND", b"")
+
+
+def test_a_png_must_begin_with_its_one_ihdr() -> None:
+    # PIL reads a later IHDR and decodes by the last, while a transparent colour is scaled by the
+    # first's bit depth: a 16-bit header, then an 8-bit one and a tRNS of (0x1234, 0x5678, 0x9abc)
+    # made all 36 pixels (0x12, 0x56, 0x9a) white. libpng refuses both shapes.
+    first = _png_of()
+    sixteen_bit = _chunk(b"IHDR", struct.pack(">IIBBBBB", 6, 6, 16, 2, 0, 0, 0))
+    key = _chunk(b"tRNS", struct.pack(">3H", 0x1234, 0x5678, 0x9ABC))
+    two = first[:8] + sixteen_bit + _png_of(key)[8:]
+    text_first = first[:8] + _chunk(b"tEXt", b"a\0b") + first[8:]
+    for data, found in ((two, "2"), (text_first, "none first")):
+        with pytest.raises(InvalidArgument, match=f"must begin with its one IHDR chunk .*; {found}") as error:
+            decode_image(data, len(data), MAX_PIXELS)
+        assert error.value.field == "image.data"
+    assert decode_image(_png_of(key), MAX_BYTES, MAX_PIXELS).size == (6, 6)
+
+
+def test_a_palette_png_of_more_than_256_alphas_is_refused_naming_them() -> None:
+    # PIL kept all 300 and failed converting to RGBA ("palette index out of range", a ValueError out of
+    # preprocessing, no field named); a tRNS up to 256 alphas, even past the palette's 4 colours, decodes.
+    palette = _chunk(b"PLTE", bytes(range(12)))
+    for alphas, refused in ((300, True), (257, True), (256, False), (5, False)):
+        data = _png_of(palette, _chunk(b"tRNS", bytes(alphas)), colour_type=3)
+        if refused:
+            refusal = f"tRNS of {alphas} palette alphas; .* at most 256"
+            with pytest.raises(InvalidArgument, match=refusal) as e:
+                decode_image(data, MAX_BYTES, MAX_PIXELS)
+            assert e.value.field == "image.data"
+        else:
+            assert decode_image(data, MAX_BYTES, MAX_PIXELS).convert("RGBA").size == (6, 6)
 
 
 def test_restart_markers_in_a_scan_are_skipped_at_c_speed() -> None:

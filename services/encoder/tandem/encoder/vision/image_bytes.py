@@ -54,6 +54,7 @@ MAX_CHUNKS = 65_536
 # made that table 1.6 GB and held the GIL 4.75 s (SmolVLM's longest-edge resize), stalling every call
 # of the encoder; at this bound the table is 3 MB.
 MAX_IMAGE_SIDE = 65_535
+MAX_PALETTE_ENTRIES = 256  # a PNG palette's entries, so its tRNS alphas, at most (the PNG spec)
 _BOUND = threading.Lock()  # PIL's pixel bound is a module global: one opener at a time sets it
 _PIL_PIXELS = re.compile(r"\((\d+) pixels\)")
 # The process's warning filters for PIL (`_filter_pil_warnings`), first to last.
@@ -181,6 +182,12 @@ def decode_image(
             # PIL inflates each (up to 1 MB) and keeps the last: 19,000 of 1 KB each, in 18 MiB,
             # took 42 s of the image thread.
             raise InvalidArgument(field, f"a PNG of {png.num_profiles} iCCP chunks; the PNG spec allows one")
+        if png.size is None or png.num_headers != 1:
+            # libpng refuses both; PIL reads a later IHDR too and decodes by the last it read, where the
+            # transparent colour's scale (`_match_transparent_colour`) would be read from the first:
+            # a 16-bit header before an 8-bit one turned every pixel of a picture white.
+            found = "none first" if png.size is None else f"{png.num_headers}"
+            raise InvalidArgument(field, f"a PNG must begin with its one IHDR chunk (the PNG spec); {found}")
         late_exif = png.exif
         png_bit_depth = png.bit_depth
         if png.size is not None and 0 in png.size:  # PIL refuses it as "not a PNG": say what it is
@@ -211,6 +218,7 @@ def decode_image(
         check_size(width, height)
         image.load()
         if png_bit_depth is not None:
+            _check_palette_transparency(image, field)
             _match_transparent_colour(image, png_bit_depth)
         if orientation in _UPRIGHT:
             image = image.transpose(_UPRIGHT[orientation])
@@ -269,6 +277,18 @@ def _filter_pil_warnings() -> None:
     if warnings.filters[: len(_PIL_FILTERS)] != _PIL_FILTERS:
         warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
         warnings.filterwarnings("error", category=Image.DecompressionBombWarning)
+
+
+def _check_palette_transparency(image: Image.Image, field: str) -> None:
+    """A palette's tRNS gives at most one alpha an entry, 256 in all: PIL keeps a longer one and fails
+    converting the picture to RGBA (ValueError "palette index out of range", out of the model's
+    preprocessing, where nothing named the field). libpng drops such a chunk as invalid; here it is
+    refused, naming its length."""
+    key = image.info.get("transparency")
+    if image.mode == "P" and isinstance(key, bytes) and len(key) > MAX_PALETTE_ENTRIES:
+        raise InvalidArgument(
+            field, f"a PNG's tRNS of {len(key)} palette alphas; a palette has at most {MAX_PALETTE_ENTRIES}"
+        )
 
 
 def _match_transparent_colour(image: Image.Image, bit_depth: int) -> None:
@@ -367,6 +387,7 @@ class PngChunks:
     exif: bytes | None  # its last eXIf chunk's payload (PIL keeps the last), None without one
     size: tuple[int, int] | None  # (width, height) its IHDR declares; None without one first
     bit_depth: int | None  # bits a sample (1, 2, 4, 8 or 16) its IHDR declares; None without one first
+    num_headers: int  # its IHDR chunks (the spec: exactly one, first)
     # Where its compressed metadata chunks lie (zTXt, iTXt, iCCP), to be cut out before PIL reads the
     # file: nothing here reads text or applies a colour profile (nor do transformers' processors), and
     # PIL refuses the whole picture when one inflates past its MAX_TEXT_CHUNK (1 MB), even one after
@@ -377,7 +398,7 @@ class PngChunks:
 def png_chunks(data: bytes) -> PngChunks:
     """A PNG's chunks up to IEND, found by walking them (each names its length); the walk stops once
     the count passes MAX_CHUNKS."""
-    chunks = profiles = 0
+    chunks = profiles = headers = 0
     exif: tuple[int, int] | None = None  # where the last eXIf's payload starts and ends
     metadata: list[tuple[int, int]] = []
     size = bit_depth = None
@@ -392,6 +413,7 @@ def png_chunks(data: bytes) -> PngChunks:
             break
         length = int.from_bytes(data[i : i + 4], "big")
         profiles += kind == b"iCCP"
+        headers += kind == b"IHDR"
         if kind == b"eXIf":
             exif = (i + 8, i + 8 + length)
         if kind in (b"zTXt", b"iTXt", b"iCCP") and i + 12 + length <= len(data):
@@ -403,6 +425,7 @@ def png_chunks(data: bytes) -> PngChunks:
         data[exif[0] : exif[1]] if exif is not None else None,
         size,
         bit_depth,
+        headers,
         tuple(metadata),
     )
 
