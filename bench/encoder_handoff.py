@@ -65,7 +65,14 @@ from tandem.client.pb.tandem.v1 import (  # noqa: E402
     tensor_pb2,
 )
 from tandem.common.server import ServerOptions, Service, start_server  # noqa: E402
-from tandem.common.torch_part import shared_memory, tensors  # noqa: E402
+from tandem.common.torch_part import (  # noqa: E402
+    shared_memory,
+    shm_digest,
+    shm_pool,
+    shm_probe,
+    shm_segment_maps,
+    tensors,
+)
 from tandem.common.torch_part.model_cache import resolve_model  # noqa: E402
 from tandem.common.torch_part.prompt_parts import EncoderPrompt  # noqa: E402
 from tandem.decoder.api.encoder_parts import EncoderParts  # noqa: E402
@@ -123,13 +130,13 @@ def transfer_ms(rows: torch.Tensor, repeats: int, evict: Evictor) -> dict[str, f
       segment, "gather_fresh": the same into memory of its own (the copy's source in "shm");
     - "digest": one keyed digest of the rows, back to back (each side of a move computes one);
     - "bytes": through a reply's bytes (encode, serialize, parse, decode)."""
-    probe = shared_memory.Probe.create()
+    probe = shm_probe.Probe.create()
     assert probe is not None
     segments = SharedSegments(shared_memory.SHM_DIR, 1 << 30, 16, 10.0)
     # The decoder's, kept as it keeps them: reading with two passes (numpy's copy, then OpenSSL's
     # GMAC: the reader before the fused kernel) and with the fused copy and digest where this CPU has it.
-    two_pass = shared_memory.SegmentMaps(shared_memory.SHM_DIR)
-    fused = shared_memory.SegmentMaps(shared_memory.SHM_DIR, copy_digest=copy_digest.for_cpu())
+    two_pass = shm_segment_maps.SegmentMaps(shared_memory.SHM_DIR)
+    fused = shm_segment_maps.SegmentMaps(shared_memory.SHM_DIR, copy_digest=copy_digest.for_cpu())
     raw = rows.view(torch.int16).numpy() if rows.dtype.itemsize == 2 else rows.numpy()
     ids = torch.arange(rows.shape[0])  # the gather of every row of `rows`: the same bytes
     moves = 2 * repeats + 1
@@ -138,13 +145,13 @@ def transfer_ms(rows: torch.Tensor, repeats: int, evict: Evictor) -> dict[str, f
     def move(
         write: Callable[[SharedTarget], tensor_pb2.SharedTensor | None],
         check: bool = False,
-        maps: shared_memory.SegmentMaps = fused,
+        maps: shm_segment_maps.SegmentMaps = fused,
     ) -> float:
         offer = encoder_pb2.SharedMemoryOffer(
             probe_name=probe.name,
             probe_token=probe.token,
             segment_name=shared_memory.new_name(shared_memory.SEGMENT_PREFIX),
-            digest_key=os.urandom(shared_memory.KEY_BYTES),
+            digest_key=os.urandom(shm_digest.KEY_BYTES),
         )
         gathered = len(gathers["gather"])
         start = time.perf_counter()
@@ -166,13 +173,13 @@ def transfer_ms(rows: torch.Tensor, repeats: int, evict: Evictor) -> dict[str, f
         torch.index_select(rows, 0, ids, out=out)
         gathers["gather"].append(time.perf_counter() - start)
 
-    def shm(check: bool = False, maps: shared_memory.SegmentMaps = fused) -> float:
+    def shm(check: bool = False, maps: shm_segment_maps.SegmentMaps = fused) -> float:
         start = time.perf_counter()
         made = torch.index_select(rows, 0, ids)  # before the clock, as a tower's rows would be
         gathers["gather_fresh"].append(time.perf_counter() - start)
         return move(lambda target: target.write(made, None), check, maps)
 
-    def written(check: bool = False, maps: shared_memory.SegmentMaps = fused) -> float:
+    def written(check: bool = False, maps: shm_segment_maps.SegmentMaps = fused) -> float:
         return move(lambda target: target.write_with(list(rows.shape), rows.dtype, gather_into), check, maps)
 
     def written_two_pass() -> float:
@@ -180,16 +187,16 @@ def transfer_ms(rows: torch.Tensor, repeats: int, evict: Evictor) -> dict[str, f
 
     def digest() -> float:
         start = time.perf_counter()
-        shared_memory.keyed_digest(raw, os.urandom(shared_memory.KEY_BYTES))
+        shm_digest.keyed_digest(raw, os.urandom(shm_digest.KEY_BYTES))
         return time.perf_counter() - start
 
     source = raw.reshape(-1).view(np.uint8)  # [num_bytes]
     read_out = np.empty_like(source)
 
-    def read(copy_and_digest: shared_memory.CopyDigest) -> Callable[[], float]:
+    def read(copy_and_digest: shm_digest.CopyDigest) -> Callable[[], float]:
         def timed() -> float:
             start = time.perf_counter()
-            copy_and_digest(source, read_out, os.urandom(shared_memory.KEY_BYTES))
+            copy_and_digest(source, read_out, os.urandom(shm_digest.KEY_BYTES))
             return time.perf_counter() - start
 
         return timed
@@ -223,7 +230,7 @@ def transfer_ms(rows: torch.Tensor, repeats: int, evict: Evictor) -> dict[str, f
         times["shm_written_two_pass_cold"].append(cold(written_two_pass))
     times["digest"] = [digest() for _ in range(moves)]
     # The decoder's read alone, memory to memory, back to back: the two passes and the fused one.
-    reads = {"read_two_pass": read(shared_memory.copy_then_digest), "read_fused": read(fused.copy_digest)}
+    reads = {"read_two_pass": read(shm_digest.copy_then_digest), "read_fused": read(fused.copy_digest)}
     for name in reads:
         times[name] = []
     for _ in range(moves):
@@ -247,8 +254,8 @@ def undigested_ms(rows: torch.Tensor, repeats: int, evict: Evictor) -> tuple[flo
     the same copy into a pooled segment, link, open, read into the reader's memory through its kept
     mapping, and removal, to show what the digests cost."""
     raw = (rows.view(torch.int16) if rows.dtype.itemsize == 2 else rows).numpy().reshape(-1).view(np.uint8)
-    segment = shared_memory.PooledSegment.create(shared_memory.SHM_DIR, len(raw))
-    maps = shared_memory.SegmentMaps(shared_memory.SHM_DIR)
+    segment = shm_pool.PooledSegment.create(shared_memory.SHM_DIR, len(raw))
+    maps = shm_segment_maps.SegmentMaps(shared_memory.SHM_DIR)
 
     def move() -> float:
         name = shared_memory.new_name(shared_memory.SEGMENT_PREFIX)

@@ -220,9 +220,9 @@ def test_random_garbage_either_decodes_consistently_or_raises_invalid_argument(d
 @pytest.fixture
 def reader(tmp_path):
     """The reader's mappings of the segments it is given."""
-    from tandem.common.torch_part import shared_memory as shm
+    from tandem.common.torch_part import shm_segment_maps
 
-    made = shm.SegmentMaps(tmp_path)
+    made = shm_segment_maps.SegmentMaps(tmp_path)
     yield made
     made.close()
 
@@ -233,9 +233,10 @@ def _shared(tmp_path, reader, rows: torch.Tensor, dtype: torch.dtype | None = No
     import os
 
     from tandem.common.torch_part import shared_memory as shm
+    from tandem.common.torch_part import shm_pool
 
     name, key = shm.new_name(shm.SEGMENT_PREFIX), os.urandom(32)
-    segment = shm.PooledSegment.create(tmp_path, tensors.shared_num_bytes(rows, dtype) + spare)
+    segment = shm_pool.PooledSegment.create(tmp_path, tensors.shared_num_bytes(rows, dtype) + spare)
     segment.link(name)
     handle = tensors.encode_shared(rows, segment.mapping, name, key, 5.0, dtype)
     return handle, reader.open(name), key, segment.mapping

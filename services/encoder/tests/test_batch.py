@@ -14,7 +14,7 @@ from PIL import Image
 from services.encoder.tests.vision_checkpoints import make_image
 from tandem.client.errors import InvalidArgument, ResourceExhausted
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
-from tandem.common.torch_part import shared_memory, tensors
+from tandem.common.torch_part import shared_memory, shm_digest, shm_probe, shm_segment_maps, tensors
 from tandem.encoder.batch import EmbedOutput, run_batch
 from tandem.encoder.batcher import CallerGone
 from tandem.encoder.embedder import EmbedderInfo, Pooling
@@ -138,8 +138,8 @@ class WritingEmbedder(FakeEmbedder):
 def test_text_rows_go_straight_into_a_segment_only_when_they_are_one_per_id_in_the_embedders_dtype(
     tmp_path: Path,
 ) -> None:
-    probe, segments = shared_memory.Probe.create(tmp_path), SharedSegments(tmp_path, 1 << 20, 8, 5.0)
-    reader = shared_memory.SegmentMaps(tmp_path)
+    probe, segments = shm_probe.Probe.create(tmp_path), SharedSegments(tmp_path, 1 << 20, 8, 5.0)
+    reader = shm_segment_maps.SegmentMaps(tmp_path)
     assert probe is not None
     try:
         keys, jobs = [], []
@@ -148,7 +148,7 @@ def test_text_rows_go_straight_into_a_segment_only_when_they_are_one_per_id_in_t
                 probe_name=probe.name,
                 probe_token=probe.token,
                 segment_name=shared_memory.new_name(shared_memory.SEGMENT_PREFIX),
-                digest_key=os.urandom(shared_memory.KEY_BYTES),
+                digest_key=os.urandom(shm_digest.KEY_BYTES),
             )
             keys.append(offer.digest_key)
             jobs.append(EmbedJob("t", [1, 2, 3], pooling, dtype, shared=segments.target(offer)))

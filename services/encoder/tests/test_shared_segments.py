@@ -13,25 +13,25 @@ import torch
 
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
-from tandem.common.torch_part import shared_memory, tensors
+from tandem.common.torch_part import shared_memory, shm_digest, shm_probe, shm_segment_maps, tensors
 from tandem.encoder.config import EncoderConfig
 from tandem.encoder.loader import load_embedder
 from tandem.encoder.servicer import EncoderServicer
 from tandem.encoder.shared_segments import SharedSegments
 
 
-def _offer(probe: shared_memory.Probe) -> encoder_pb2.SharedMemoryOffer:
+def _offer(probe: shm_probe.Probe) -> encoder_pb2.SharedMemoryOffer:
     return encoder_pb2.SharedMemoryOffer(
         probe_name=probe.name,
         probe_token=probe.token,
         segment_name=shared_memory.new_name(shared_memory.SEGMENT_PREFIX),
-        digest_key=os.urandom(shared_memory.KEY_BYTES),
+        digest_key=os.urandom(shm_digest.KEY_BYTES),
     )
 
 
 @pytest.fixture
 def probe(tmp_path: Path):
-    made = shared_memory.Probe.create(tmp_path)
+    made = shm_probe.Probe.create(tmp_path)
     assert made is not None
     yield made
     made.close()
@@ -40,7 +40,7 @@ def probe(tmp_path: Path):
 @pytest.fixture
 def reader(tmp_path: Path):
     """The decoder's side: its mappings of the segments it is given."""
-    made = shared_memory.SegmentMaps(tmp_path)
+    made = shm_segment_maps.SegmentMaps(tmp_path)
     yield made
     made.close()
 
@@ -52,7 +52,7 @@ def segments(tmp_path: Path):
     made.close()
 
 
-def _read(reader: shared_memory.SegmentMaps, handle: tensor_pb2.SharedTensor, key: bytes) -> torch.Tensor:
+def _read(reader: shm_segment_maps.SegmentMaps, handle: tensor_pb2.SharedTensor, key: bytes) -> torch.Tensor:
     segment = reader.open(handle.name)
     assert segment is not None
     with segment:
@@ -79,7 +79,7 @@ def test_an_offer_is_taken_only_with_its_proof(tmp_path: Path, probe, segments: 
     offer = _offer(probe)
     assert segments.target(offer) is not None
     for change in (
-        lambda o: setattr(o, "probe_token", os.urandom(shared_memory.TOKEN_BYTES)),
+        lambda o: setattr(o, "probe_token", os.urandom(shm_probe.TOKEN_BYTES)),
         lambda o: setattr(o, "probe_name", shared_memory.new_name(shared_memory.PROBE_PREFIX)),
         lambda o: setattr(o, "segment_name", "../" + o.segment_name),
         lambda o: setattr(o, "segment_name", probe.name),  # a name of another kind
@@ -361,7 +361,7 @@ async def test_an_embed_with_a_proven_offer_replies_with_a_handle_not_bytes(
         assert shared.ByteSize() < plain.ByteSize() - plain.embeddings.ByteSize() + 200
         rows = _read(reader, shared.shared_embeddings, offer.digest_key)
         assert torch.equal(rows, tensors.decode(plain.embeddings))
-        offer.probe_token = os.urandom(shared_memory.TOKEN_BYTES)  # no proof: bytes, as before
+        offer.probe_token = os.urandom(shm_probe.TOKEN_BYTES)  # no proof: bytes, as before
         unproven = await servicer.Embed(
             encoder_pb2.EmbedRequest(text="hello there", shared_memory=offer), None
         )

@@ -34,7 +34,7 @@ from tandem.client.pb.tandem.v1 import (
     tensor_pb2,
 )
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
-from tandem.common.torch_part import shared_memory, tensors
+from tandem.common.torch_part import shared_memory, shm_segment_maps, tensors
 from tandem.common.torch_part.prompt_parts import EncoderPrompt
 from tandem.decoder.api.encoder_parts import EncoderParts
 from tandem.decoder.engine.admission.prompt import GenerateSpec
@@ -146,7 +146,7 @@ async def test_a_handle_of_a_few_rows_is_opened_off_the_event_loop(rig: Rig) -> 
     opened_on: list[int] = []  # the thread of each open
     open_segment = rig.parts.replies.maps.open
 
-    def recording(name: str) -> shared_memory.Segment | None:
+    def recording(name: str) -> shm_segment_maps.Segment | None:
         opened_on.append(threading.get_ident())
         return open_segment(name)
 
@@ -249,7 +249,7 @@ def _open_fails(parts: EncoderParts, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _shrinks_while_read(parts: EncoderParts, monkeypatch: pytest.MonkeyPatch) -> None:
     # The bounded read's answer when the file was cut after its size was checked.
-    monkeypatch.setattr(shared_memory.Segment, "read_digested", lambda self, offset, into, key: None)
+    monkeypatch.setattr(shm_segment_maps.Segment, "read_digested", lambda self, offset, into, key: None)
 
 
 @pytest.mark.parametrize("fault", [_open_fails, _shrinks_while_read], ids=["cannot-open", "shrank"])

@@ -29,7 +29,8 @@ import torch
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import tensor_pb2
 from tandem.common.dtypes import BY_WIRE, FLOAT_DATA_TYPES
-from tandem.common.torch_part.shared_memory import Segment, keyed_digest
+from tandem.common.torch_part.shm_digest import keyed_digest
+from tandem.common.torch_part.shm_segment_maps import Segment
 from tandem.common.torch_part.torch_dtypes import BY_TORCH, TORCH_DTYPES
 
 DataType = tensor_pb2.DataType

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
-from tandem.common.torch_part import shared_memory, tensors
+from tandem.common.torch_part import shared_memory, shm_digest, shm_locks, shm_pool, shm_probe, tensors
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class SharedTarget:
 class _Slot:
     """One segment of the pool."""
 
-    segment: shared_memory.PooledSegment  # mapped for writing since it was created
+    segment: shm_pool.PooledSegment  # mapped for writing since it was created
     lease: SharedTarget | None = None  # the call it is leased to, its name linked to it; None: free
     expires: float = math.inf  # time.monotonic() when the lease runs out; inf while being written
     last_used: float = 0.0  # time.monotonic() when it was last freed
@@ -104,7 +104,7 @@ class SharedSegments:
         # lease (a batch later than that is answered by the lease anyway).
         self._abandoned: dict[SharedTarget, float] = {}
         # A pool left by an encoder that was killed would hold its pages until the host restarts.
-        self.num_abandoned = shared_memory.remove_abandoned(directory)
+        self.num_abandoned = shm_locks.remove_abandoned(directory)
         self._stop = threading.Event()
         self._sweeper = threading.Thread(
             target=self._sweep_until_stopped, name="encoder-segments", daemon=True
@@ -115,9 +115,9 @@ class SharedSegments:
         """The offer's target when its proof holds; None (bytes in the reply) otherwise."""
         if not shared_memory.is_name(offer.segment_name, shared_memory.SEGMENT_PREFIX):
             return None
-        if len(offer.digest_key) != shared_memory.KEY_BYTES:
+        if len(offer.digest_key) != shm_digest.KEY_BYTES:
             return None
-        if not shared_memory.probe_matches(self.directory, offer.probe_name, offer.probe_token):
+        if not shm_probe.probe_matches(self.directory, offer.probe_name, offer.probe_token):
             return None
         return SharedTarget(self, offer.segment_name, offer.digest_key)
 
@@ -220,7 +220,7 @@ class SharedSegments:
                 return None
             self._drop(free.pop(0))
         try:
-            segment = shared_memory.PooledSegment.create(self.directory, size)
+            segment = shm_pool.PooledSegment.create(self.directory, size)
         except OSError as error:  # /dev/shm full: the bytes go in the reply
             log.debug("no new segment of %d bytes: %s", size, error)
             return None

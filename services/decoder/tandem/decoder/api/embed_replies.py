@@ -18,7 +18,7 @@ import torch
 
 from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import encoder_pb2, tensor_pb2
-from tandem.common.torch_part import shared_memory, tensors
+from tandem.common.torch_part import shared_memory, shm_digest, shm_probe, shm_segment_maps, tensors
 from tandem.decoder.backends.cpu import copy_digest
 
 READ_ON_A_THREAD_BYTES = 1024 * 1024  # rows sent as bytes this large are checked off the event loop
@@ -41,11 +41,11 @@ class EmbedReplies:
         self.dtype = dtype
         self.hidden_size = hidden_size
         self.shm_dir = shm_dir
-        self.probe = shared_memory.Probe.create(shm_dir)  # None: shared memory is never offered
+        self.probe = shm_probe.Probe.create(shm_dir)  # None: shared memory is never offered
         # The encoder's pool segments, mapped once each and read through the mapping every later call,
         # each read copied and digested in one pass where this CPU has the fused kernel.
         self.maps = (
-            shared_memory.SegmentMaps(shm_dir, copy_digest=copy_digest.for_cpu())
+            shm_segment_maps.SegmentMaps(shm_dir, copy_digest=copy_digest.for_cpu())
             if self.probe is not None
             else None
         )
@@ -139,5 +139,5 @@ class EmbedReplies:
             probe_name=self.probe.name,
             probe_token=self.probe.token,
             segment_name=shared_memory.new_name(shared_memory.SEGMENT_PREFIX),
-            digest_key=secrets.token_bytes(shared_memory.KEY_BYTES),
+            digest_key=secrets.token_bytes(shm_digest.KEY_BYTES),
         )

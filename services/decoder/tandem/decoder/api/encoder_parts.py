@@ -35,7 +35,7 @@ A fetch, on the event loop:
 3. The reply: a handle is read only if it names the segment this call asked for; the segment is
    opened, checked (dtype, shape, bounds), its rows copied into this process (through this decoder's
    mapping of the encoder's pool segment, made the first time it is given one and kept:
-   `shared_memory.SegmentMaps`; all of it on a thread, whatever the rows' size, since the mapping's
+   `shm_segment_maps.SegmentMaps`; all of it on a thread, whatever the rows' size, since the mapping's
    cost is the whole pool segment's) and their digest checked under this call's key
    (`tensors.decode_shared`; the copy and the digest are one pass in C where the CPU has carry-less
    multiplication: `backends/cpu/copy_digest.py`), and the name removed: that releases the segment to

@@ -1,5 +1,5 @@
 """The fused copy and digest of a shared-memory segment (csrc/copy_digest.c through copy_digest.py):
-its copy is the source and its tag is `shared_memory.keyed_digest` of it bit for bit, in both forms,
+its copy is the source and its tag is `shm_digest.keyed_digest` of it bit for bit, in both forms,
 at every length and alignment; a CPU without carry-less multiplication keeps the two-pass read."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tandem.client.errors import InvalidArgument
-from tandem.common.torch_part import shared_memory, tensors
+from tandem.common.torch_part import shared_memory, shm_digest, shm_pool, shm_segment_maps, tensors
 from tandem.decoder.backends.cpu import copy_digest
 from tandem.decoder.backends.cpu.isa import CpuInfo, this_cpu
 from tandem.decoder.backends.cpu.kernels import Kernels
@@ -39,10 +39,10 @@ def random_bytes(num_bytes: int, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("num_bytes", LENGTHS)
 def test_tag_is_keyed_digest_and_copy_is_source(kernels: Kernels, is_wide: bool, num_bytes: int) -> None:
     source = random_bytes(num_bytes, seed=num_bytes)
-    key = os.urandom(shared_memory.KEY_BYTES)
+    key = os.urandom(shm_digest.KEY_BYTES)
     out = np.empty(num_bytes, dtype=np.uint8)
     tag = fused(kernels, is_wide)(source, out, key)
-    assert tag == shared_memory.keyed_digest(source, key)
+    assert tag == shm_digest.keyed_digest(source, key)
     assert np.array_equal(out, source)
 
 
@@ -54,8 +54,8 @@ def test_odd_offsets_of_source_and_copy(kernels: Kernels, is_wide: bool, source_
         source = whole[source_at:]  # [num_bytes] not aligned to anything
         out_whole = np.zeros(num_bytes + out_at + 5, dtype=np.uint8)
         out = out_whole[out_at : out_at + num_bytes]
-        key = os.urandom(shared_memory.KEY_BYTES)
-        assert fused(kernels, is_wide)(source, out, key) == shared_memory.keyed_digest(source, key)
+        key = os.urandom(shm_digest.KEY_BYTES)
+        assert fused(kernels, is_wide)(source, out, key) == shm_digest.keyed_digest(source, key)
         assert np.array_equal(out, source)
         # Nothing written around the copy.
         assert not out_whole[:out_at].any() and not out_whole[out_at + num_bytes :].any()
@@ -67,8 +67,8 @@ def test_random_keys_and_lengths_match_keyed_digest(kernels: Kernels, is_wide: b
     for _ in range(200):
         num_bytes = rng.randrange(0, 3000)
         source = random_bytes(num_bytes, seed=rng.randrange(1 << 30))
-        key = rng.randbytes(shared_memory.KEY_BYTES)
-        assert fused(kernels, is_wide)(source, np.empty_like(source), key) == shared_memory.keyed_digest(
+        key = rng.randbytes(shm_digest.KEY_BYTES)
+        assert fused(kernels, is_wide)(source, np.empty_like(source), key) == shm_digest.keyed_digest(
             source, key
         ), num_bytes
 
@@ -77,7 +77,7 @@ def test_random_keys_and_lengths_match_keyed_digest(kernels: Kernels, is_wide: b
 def test_one_bit_changed_anywhere_changes_the_tag(kernels: Kernels, is_wide: bool) -> None:
     num_bytes = 2 * 512 + 16 * 3 + 5  # two wide groups, whole blocks after them, a partial block
     source = random_bytes(num_bytes, seed=1)
-    key = os.urandom(shared_memory.KEY_BYTES)
+    key = os.urandom(shm_digest.KEY_BYTES)
     read = fused(kernels, is_wide)
     tag = read(source, np.empty_like(source), key)
     rng = random.Random(7)
@@ -86,16 +86,16 @@ def test_one_bit_changed_anywhere_changes_the_tag(kernels: Kernels, is_wide: boo
         altered[position] ^= 1 << rng.randrange(8)
         altered_tag = read(altered, np.empty_like(altered), key)
         assert altered_tag != tag, position
-        assert altered_tag == shared_memory.keyed_digest(altered, key), position
+        assert altered_tag == shm_digest.keyed_digest(altered, key), position
     longer = np.concatenate([source, np.zeros(1, dtype=np.uint8)])
     assert read(longer, np.empty_like(longer), key) != tag  # the length counts, zeros too
 
 
 def test_both_forms_agree_on_a_span(kernels: Kernels) -> None:
     source = random_bytes(SPAN_BYTES + 3, seed=3)[3:]
-    key = os.urandom(shared_memory.KEY_BYTES)
+    key = os.urandom(shm_digest.KEY_BYTES)
     tags = {fused(kernels, is_wide)(source, np.empty_like(source), key) for is_wide in FORMS}
-    assert tags == {shared_memory.keyed_digest(source, key)}
+    assert tags == {shm_digest.keyed_digest(source, key)}
 
 
 def test_bad_buffers_and_keys_are_refused_by_name(kernels: Kernels) -> None:
@@ -126,7 +126,7 @@ def cpu_with(flags: frozenset[str]) -> CpuInfo:
 
 def test_a_cpu_without_pclmulqdq_keeps_the_two_pass_read(kernels: Kernels) -> None:
     without = cpu_with(this_cpu().flags - {"pclmulqdq"})
-    assert copy_digest.for_cpu(without, kernels) is shared_memory.copy_then_digest
+    assert copy_digest.for_cpu(without, kernels) is shm_digest.copy_then_digest
 
 
 def test_the_wide_form_needs_vpclmulqdq(kernels: Kernels) -> None:
@@ -135,22 +135,22 @@ def test_the_wide_form_needs_vpclmulqdq(kernels: Kernels) -> None:
     wide = copy_digest.for_cpu(cpu_with(copy_digest.WIDE_FLAGS), kernels)
     assert isinstance(wide, copy_digest.FusedCopyDigest) and wide.is_wide
     source = random_bytes(1000, seed=5)
-    key = os.urandom(shared_memory.KEY_BYTES)
-    assert narrow(source, np.empty_like(source), key) == shared_memory.keyed_digest(source, key)
+    key = os.urandom(shm_digest.KEY_BYTES)
+    assert narrow(source, np.empty_like(source), key) == shm_digest.keyed_digest(source, key)
 
 
 def test_without_the_kernels_the_two_pass_read_stays(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(copy_digest, "load_for_cpu", lambda: None)
-    assert copy_digest.for_cpu(cpu_with(copy_digest.WIDE_FLAGS)) is shared_memory.copy_then_digest
+    assert copy_digest.for_cpu(cpu_with(copy_digest.WIDE_FLAGS)) is shm_digest.copy_then_digest
 
 
 def test_a_segment_read_with_the_fused_kernel_is_checked_as_before(kernels: Kernels, tmp_path: Path) -> None:
     """decode_shared on a reader that copies and digests in one pass: the rows of an intact segment,
     and a changed byte or another key refused by its digest."""
-    maps = shared_memory.SegmentMaps(tmp_path, copy_digest=fused(kernels, FORMS[-1]))
+    maps = shm_segment_maps.SegmentMaps(tmp_path, copy_digest=fused(kernels, FORMS[-1]))
     rows = torch.randn(37, 11).to(torch.bfloat16)  # 814 bytes: groups, blocks and a partial block
-    segment = shared_memory.PooledSegment.create(tmp_path, tensors.shared_num_bytes(rows, None) + 3)
-    key = os.urandom(shared_memory.KEY_BYTES)
+    segment = shm_pool.PooledSegment.create(tmp_path, tensors.shared_num_bytes(rows, None) + 3)
+    key = os.urandom(shm_digest.KEY_BYTES)
     for change in (None, "byte", "key"):
         name = shared_memory.new_name(shared_memory.SEGMENT_PREFIX)
         segment.link(name)

@@ -1,12 +1,12 @@
 """The decoder's read of a shared-memory segment as one pass: the copy and its AES-256-GMAC digest
-fused in C (csrc/copy_digest.c), equal bit for bit to `shared_memory.keyed_digest` of the copy.
+fused in C (csrc/copy_digest.c), equal bit for bit to `shm_digest.keyed_digest` of the copy.
 
 NOTE: the split. GMAC's tag is GHASH_H(data, lengths) XOR E_K(J0): the two AES blocks, H = E_K(0^128)
 and E_K(J0) for the fixed nonce, are computed here with OpenSSL (one ECB call per read, so no AES is
 written in C), and the C kernel does the GHASH over every byte while it copies them, from the same
 loaded registers: the digest covers exactly the bytes copied. It needs PCLMULQDQ (and VPCLMULQDQ with
 AVX-512BW for its 512-bit form); elsewhere, and without the kernels, the reader keeps
-`shared_memory.copy_then_digest` (numpy's copy, then OpenSSL's GMAC over it).
+`shm_digest.copy_then_digest` (numpy's copy, then OpenSSL's GMAC over it).
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ import ctypes
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from tandem.common.torch_part import shared_memory
+from tandem.common.torch_part import shm_digest
 from tandem.decoder.backends.cpu.isa import CpuInfo, this_cpu
 from tandem.decoder.backends.cpu.kernels import Kernels, load_for_cpu
 
 NARROW_FLAGS = frozenset({"pclmulqdq", "ssse3", "sse4_1"})  # /proc/cpuinfo: the 128-bit form
 WIDE_FLAGS = NARROW_FLAGS | {"vpclmulqdq", "avx512f", "avx512bw"}  # and the 512-bit form
 # J0 for a 96-bit nonce: the nonce, then the 32-bit block counter 1.
-_J0 = shared_memory.DIGEST_NONCE + (1).to_bytes(4, "big")
+_J0 = shm_digest.DIGEST_NONCE + (1).to_bytes(4, "big")
 
 
 class FusedCopyDigest:
-    """A `shared_memory.CopyDigest` on the C kernel: one pass over the source."""
+    """A `shm_digest.CopyDigest` on the C kernel: one pass over the source."""
 
     def __init__(self, kernels: Kernels, is_wide: bool) -> None:
         self.kernels = kernels
@@ -36,8 +36,8 @@ class FusedCopyDigest:
     def __call__(self, source: np.ndarray, out: np.ndarray, key: bytes) -> bytes:
         """Copies `source` ([n] uint8) into `out` ([n] uint8, writable, not overlapping it) and returns
         keyed_digest(out, key)."""
-        if len(key) != shared_memory.KEY_BYTES:
-            raise ValueError(f"key must be {shared_memory.KEY_BYTES} bytes, got {len(key)}")
+        if len(key) != shm_digest.KEY_BYTES:
+            raise ValueError(f"key must be {shm_digest.KEY_BYTES} bytes, got {len(key)}")
         for name, array in (("source", source), ("out", out)):
             if array.dtype != np.uint8 or array.ndim != 1 or not array.flags.c_contiguous:
                 raise ValueError(
@@ -48,7 +48,7 @@ class FusedCopyDigest:
         if not out.flags.writeable:
             raise ValueError("out must be writable")
         blocks = Cipher(algorithms.AES(key), modes.ECB()).encryptor().update(bytes(16) + _J0)  # H, E_K(J0)
-        tag = ctypes.create_string_buffer(shared_memory.DIGEST_BYTES)
+        tag = ctypes.create_string_buffer(shm_digest.DIGEST_BYTES)
         status = self.kernels.copy_ghash(
             out.ctypes.data, source.ctypes.data, len(source), blocks[:16], blocks[16:], ctypes.addressof(tag),
             int(self.is_wide),
@@ -60,13 +60,13 @@ class FusedCopyDigest:
         return tag.raw
 
 
-def for_cpu(cpu: CpuInfo | None = None, kernels: Kernels | None = None) -> shared_memory.CopyDigest:
+def for_cpu(cpu: CpuInfo | None = None, kernels: Kernels | None = None) -> shm_digest.CopyDigest:
     """The fused kernel where this CPU has carry-less multiplication and the kernels are built, else
-    `shared_memory.copy_then_digest`."""
+    `shm_digest.copy_then_digest`."""
     cpu = cpu or this_cpu()
     if not NARROW_FLAGS <= cpu.flags:
-        return shared_memory.copy_then_digest
+        return shm_digest.copy_then_digest
     kernels = kernels or load_for_cpu()
     if kernels is None:
-        return shared_memory.copy_then_digest
+        return shm_digest.copy_then_digest
     return FusedCopyDigest(kernels, is_wide=WIDE_FLAGS <= cpu.flags)
