@@ -200,8 +200,8 @@ def check_decoder_fits(config: UpConfig, model_dir: Path) -> None:
     about a field `up` has no flag for (max_model_len) is the decoder's, which `_service_flag_error`
     names."""
     from tandem.common.torch_part.model_cache import default_model_file
-    from tandem.decoder.api.main import check_fits
     from tandem.decoder.api.main import config_from_args as decoder_config
+    from tandem.decoder.api.start_checks import check_fits
     from tandem.decoder.backends import backend as backends
     from tandem.decoder.config import EngineConfig
     from tandem.decoder.engine.step.sizing import check_sliding_window

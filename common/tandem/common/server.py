@@ -7,7 +7,7 @@ interceptor, and a graceful stop: health goes NOT_SERVING, calls are still taken
 notice (`DRAIN_NOTICE_S`) while health-watching clients move their new calls elsewhere, then new RPCs
 are refused and in-flight ones get the rest of `grace_s` to finish (`DEFAULT_GRACE_S` unless
 configured: the same for both services and `tandem up`). What is still running then is cancelled;
-the decoder ends its streams first, with FINISH_REASON_ABORTED (`tandem.decoder.api.main`).
+the decoder ends its streams first, with FINISH_REASON_ABORTED (`tandem.decoder.api.drain`).
 
 Every server bounds the calls it holds (`max_concurrent_rpcs`): one past the bound is answered
 RESOURCE_EXHAUSTED naming the bound when the server takes it up, with a RetryInfo and an ErrorInfo

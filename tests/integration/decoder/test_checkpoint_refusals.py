@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from common.tests.common.gguf_files import small_model, write_gguf
 from tandem.common.torch_part.gguf_import import readable_types
-from tandem.decoder.api import main as decoder_main
+from tandem.decoder.api import serving as decoder_serving
 from tandem.decoder.api.main import main
 
 PREFIX = "tandem serve decoder: --model (TANDEM_MODEL): "
@@ -34,7 +34,7 @@ def _refusal(err: str) -> str:
 def servers(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """Every server the decoder would start: none, for a refused start-up."""
     started: list[object] = []
-    monkeypatch.setattr(decoder_main, "start_server", lambda *args: started.append(args))
+    monkeypatch.setattr(decoder_serving, "start_server", lambda *args: started.append(args))
     return started
 
 

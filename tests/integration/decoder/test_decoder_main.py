@@ -35,6 +35,7 @@ from tandem.common.torch_part import huge_pages
 from tandem.common.torch_part.model_identity import read_table_sample, read_weight_samples
 from tandem.common.weight_sample import weight_sample_from_pb
 from tandem.decoder.api import main as decoder_main
+from tandem.decoder.api import serving as decoder_serving
 from tandem.decoder.api.main import main
 from tests.integration.decoder.serving import until_serving
 
@@ -174,7 +175,7 @@ def test_a_config_that_disagrees_with_its_weights_is_one_line_and_exit_2_before_
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps(config | changes))
     servers: list[object] = []
-    monkeypatch.setattr(decoder_main, "start_server", lambda *args: servers.append(args))
+    monkeypatch.setattr(decoder_serving, "start_server", lambda *args: servers.append(args))
     assert main(["--model", str(broken), "--port", "0", "--dtype", "float32"]) == 2
     assert _one_line(capsys.readouterr().err) == (
         f"tandem serve decoder: --model (TANDEM_MODEL): {broken / 'model.safetensors'}: weight {said}"
@@ -291,13 +292,13 @@ async def test_a_health_check_in_flight_when_a_loading_decoder_stops_is_answered
         end_load.wait(60)
 
     stop = asyncio.Event()
-    monkeypatch.setattr(decoder_main, "_load_engine", load_until_the_test_ends)
-    monkeypatch.setattr(decoder_main, "stop_on_signals", lambda *_: stop)
+    monkeypatch.setattr(decoder_serving, "_load_engine", load_until_the_test_ends)
+    monkeypatch.setattr(decoder_serving, "stop_on_signals", lambda *_: stop)
     port = free_port()
     config = decoder_main.config_from_args(["--model", str(tiny_model_dir), "--port", str(port)])
     checks = _HeldHealthChecks()
     config = dataclasses.replace(config, server=dataclasses.replace(config.server, interceptors=(checks,)))
-    serving = asyncio.ensure_future(decoder_main.serve(config))
+    serving = asyncio.ensure_future(decoder_serving.serve(config))
     try:
         assert await asyncio.to_thread(is_loading.wait, 30)
         async with DecoderClient(f"127.0.0.1:{port}") as client:
@@ -307,7 +308,7 @@ async def test_a_health_check_in_flight_when_a_loading_decoder_stops_is_answered
             await asyncio.sleep(0.2)  # the server's stop has begun (well within UNSERVED_GRACE_S)
             checks.release.set()
             assert await check == health_pb2.HealthCheckResponse.NOT_SERVING
-        assert await asyncio.wait_for(serving, 10) is decoder_main.Outcome.ABANDONED
+        assert await asyncio.wait_for(serving, 10) is decoder_serving.Outcome.ABANDONED
     finally:
         end_load.set()
         if not serving.done():

@@ -18,7 +18,7 @@ from services.decoder.tests.conftest import _build_checkpoint
 from services.decoder.tests.models.helpers import hf_greedy
 from tandem.client.client import DecoderClient
 from tandem.common.torch_part.random_model import train_tokenizer
-from tandem.decoder.api import main as decoder_main
+from tandem.decoder.api import serving as decoder_serving
 from tandem.decoder.api.main import main
 from tests.integration.decoder.serving import until_serving
 
@@ -128,7 +128,7 @@ def test_a_sliding_window_narrower_than_the_context_is_one_line_and_exit_2_befor
     model_dir = _checkpoint(variant, tmp_path / variant, tokenizer_file, **changes)
     capsys.readouterr()  # transformers' progress bars while it saved
     servers: list[object] = []
-    monkeypatch.setattr(decoder_main, "start_server", lambda *args: servers.append(args))
+    monkeypatch.setattr(decoder_serving, "start_server", lambda *args: servers.append(args))
     assert main(["--model", str(model_dir), "--port", "0", "--dtype", "float32", *flags]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert lines == [

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from common.tests.common.gguf_files import small_model, write_gguf
 from common.tests.ports import free_port
 from tandem.client.client import DecoderClient
-from tandem.decoder.api import main as decoder_main
+from tandem.decoder.api import serving as decoder_serving
 from tandem.decoder.api.main import main
 from tests.integration.decoder.serving import decoder_process, until_serving
 
@@ -65,7 +65,7 @@ def test_a_template_that_does_not_compile_is_one_line_and_exit_2_before_anything
 ) -> None:
     """It served, and every chat then failed naming `chat.chat_template`."""
     origin = _with_template(tiny_model_dir, tmp_path / "model", place, BROKEN)
-    monkeypatch.setattr(decoder_main, "start_server", _must_not_listen)
+    monkeypatch.setattr(decoder_serving, "start_server", _must_not_listen)
     assert main(["--model", str(tmp_path / "model"), "--port", "0", "--dtype", "float32"]) == 2
     err = capsys.readouterr().err
     assert err == f"{PREFIX}{origin}: the template does not compile: line 2: unexpected ')'\n"
@@ -84,7 +84,7 @@ def test_a_gguf_files_template_that_does_not_compile_is_named_as_the_files_field
     model = small_model("qwen3", tokenizer.get_vocab_size())
     gguf_file = write_gguf(tmp_path / "Tiny.Q8_0.gguf", model, tokenizer, chat_template=BROKEN)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the import's model cache
-    monkeypatch.setattr(decoder_main, "start_server", _must_not_listen)
+    monkeypatch.setattr(decoder_serving, "start_server", _must_not_listen)
     assert main(["--model", str(gguf_file), "--port", "0", "--dtype", "float32"]) == 2
     refusal = capsys.readouterr().err.splitlines()[-1]  # after the import's progress lines
     said = "tokenizer.chat_template: the template does not compile: line 2: unexpected ')'"

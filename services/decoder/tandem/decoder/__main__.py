@@ -1,4 +1,4 @@
-"""`python -m tandem.decoder`: the decoder's entry point (flags, serving, ranks) is `api/main.py`."""
+"""`python -m tandem.decoder`: the decoder's entry point is `api/main.py`."""
 
 import sys
 

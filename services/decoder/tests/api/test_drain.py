@@ -6,7 +6,7 @@ until the cut."""
 from __future__ import annotations
 
 from tandem.common.server import DRAIN_NOTICE_S
-from tandem.decoder.api.main import CUT_S, drain
+from tandem.decoder.api.drain import CUT_S, drain
 
 
 class _Server:

@@ -11,8 +11,9 @@ import pytest
 
 from tandem.client.errors import ConfigError
 from tandem.common.memory_limit import MemoryLimit
-from tandem.decoder.api.main import check_model, config_from_args
+from tandem.decoder.api.main import config_from_args
 from tandem.decoder.api.main import main as decoder_main
+from tandem.decoder.api.start_checks import check_model
 from tandem.decoder.models import kv_pool
 
 WORLD_SIZE = "tandem serve decoder: --world-size (TANDEM_WORLD_SIZE)"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.decoder.api.main import check_fits
 from tandem.decoder.api.main import main as decoder_main
+from tandem.decoder.api.start_checks import check_fits
 from tandem.decoder.config import DecoderConfig, EngineConfig
 
 PREFIX = "tandem serve decoder: --quantization (TANDEM_QUANTIZATION)"

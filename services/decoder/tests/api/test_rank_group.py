@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tandem.client.errors import ConfigError
-from tandem.decoder.api import main
+from tandem.decoder.api import rank_group
+from tandem.decoder.api.serving import Outcome
 from tandem.decoder.config import DecoderConfig, EngineConfig
 from tandem.decoder.distributed.parallel import RankInfo
 from tandem.decoder.engine.step.kv_pool_agreement import KvPoolRefused
@@ -48,16 +49,16 @@ class SpawnedRank:
 def serve_ranks_failing(
     error: ConfigError, rank: SpawnedRank, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Rank 0 of two, whose serve raises `error`; the error must come out of _serve_ranks."""
+    """Rank 0 of two, whose serve raises `error`; the error must come out of serve_ranks."""
 
-    async def serve(*_: object, **__: object) -> main.Outcome:
+    async def serve(*_: object, **__: object) -> Outcome:
         raise error
 
-    monkeypatch.setattr(main, "serve", serve)
-    monkeypatch.setattr(main, "_spawn_ranks", lambda *_: [rank])
+    monkeypatch.setattr(rank_group, "serve", serve)
+    monkeypatch.setattr(rank_group, "_spawn_ranks", lambda *_: [rank])
     config = DecoderConfig(engine=EngineConfig(model_dir=Path("m")), world_size=2)
     with caplog.at_level(logging.INFO), pytest.raises(ConfigError) as raised:
-        main._serve_ranks(config, RankInfo.local(0, 2, 1))
+        rank_group.serve_ranks(config, RankInfo.local(0, 2, 1))
     assert raised.value is error
 
 
@@ -85,15 +86,15 @@ def serve_ranks_failed(rank: SpawnedRank, monkeypatch: pytest.MonkeyPatch) -> in
     leaves by os._exit: a word to a hung rank still queued held the interpreter's exit up to the group
     timeout."""
 
-    async def serve(*_: object, **__: object) -> main.Outcome:
-        return main.Outcome.FAILED
+    async def serve(*_: object, **__: object) -> Outcome:
+        return Outcome.FAILED
 
     exited: list[str] = []
-    monkeypatch.setattr(main, "serve", serve)
-    monkeypatch.setattr(main, "_spawn_ranks", lambda *_: [rank])
-    monkeypatch.setattr(main, "_exit_failed", lambda: exited.append("os._exit(1)"))
+    monkeypatch.setattr(rank_group, "serve", serve)
+    monkeypatch.setattr(rank_group, "_spawn_ranks", lambda *_: [rank])
+    monkeypatch.setattr(rank_group, "_exit_failed", lambda: exited.append("os._exit(1)"))
     config = DecoderConfig(engine=EngineConfig(model_dir=Path("m")), world_size=2)
-    code = main._serve_ranks(config, RankInfo.local(0, 2, 1))
+    code = rank_group.serve_ranks(config, RankInfo.local(0, 2, 1))
     assert exited == ["os._exit(1)"]
     return code
 

@@ -1,0 +1,33 @@
+"""The decoder's drain once it stops serving: no new calls, and open streams get --grace-s to finish.
+Any still open then end with FINISH_REASON_ABORTED, so every stream gets its `finished` event and its
+span is exported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from tandem.common.server import RunningServer, notice_within
+from tandem.decoder.engine.front.engine import Engine
+from tandem.decoder.engine.outputs.outputs import FinishReason
+
+log = logging.getLogger("tandem.decoder")
+
+CUT_S = 5.0  # after the grace period: how long aborted streams get to send `finished` before gRPC cancels
+
+
+async def drain(running: RunningServer, engine: Engine, grace_s: float) -> None:
+    """No new calls; open streams get `grace_s` to finish, then end with FINISH_REASON_ABORTED.
+
+    gRPC itself would cancel what is left at the deadline (callers see UNAVAILABLE and the spans are
+    lost), so its deadline is CUT_S later: by then every aborted stream has sent its `finished`.
+    """
+    # The notice within `grace_s`, not its cut: a Generate taken after `grace_s` would not be ended
+    # by finish_all below and would run until gRPC's cut.
+    stopping = asyncio.ensure_future(running.stop(grace_s + CUT_S, notice_s=notice_within(grace_s)))
+    done, _ = await asyncio.wait({stopping}, timeout=grace_s)
+    if not done:
+        num_aborted = engine.finish_all(FinishReason.ABORTED)
+        log.info("grace period over: %d open requests end with FINISH_REASON_ABORTED", num_aborted)
+    await stopping
