@@ -177,11 +177,13 @@ def _field(number: int, payload: bytes) -> bytes:
 
 
 def _walk_ms(raw: bytes) -> float:
+    """The walk's best of 5 in this thread's CPU time: the suite's other worker on a 2-core machine
+    stretched the wall clock past the 1.5x ratio below (load average 6), not the CPU time."""
     best = float("inf")
     for _ in range(5):
-        start = time.perf_counter()
+        start = time.thread_time()
         bad_utf8_field(raw, decoder_pb2.GenerateRequest.DESCRIPTOR)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.thread_time() - start)
     return best * 1e3
 
 
