@@ -131,7 +131,7 @@ def build_core(
 
 def check_xla_host_pool(config: EngineConfig, model_config: ModelConfig, tp: RankGroup | None) -> None:
     """The KV pool's copies on XLA's CPU device against the host's memory, as `tandem serve decoder`
-    checks before it listens (api/main.py's check_model): an engine built in process (the offline
+    checks before it listens (api/start_checks.py's check_model): an engine built in process (the offline
     API, tests) mapped a pool past it and met the OOM killer. Run before the load, whose runtime
     start and weights took 5-8 s of a tiny model before the refusal (minutes of a large one).
     Raises KvPoolRefused naming --kv-cache-bytes or --num-kv-blocks."""

@@ -132,7 +132,7 @@ def static_shapes(
     served; `configured_len` is the context before the KV pool capped it (None: not capped). Raises
     ConfigError naming the flag whose buckets cannot hold what a step holds, or reach past the default
     buckets' largest (a larger one is padding alone: its steps compute and its graph compiles all the
-    same). The decoder checks them before it listens (api/main.py's check_model)."""
+    same). The decoder checks them before it listens (api/start_checks.py's check_model)."""
     if not config.static_shapes:
         return None
     # One spare sequence bucket: padding tokens need a padding sequence to live in, and each

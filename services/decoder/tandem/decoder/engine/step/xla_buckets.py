@@ -49,7 +49,7 @@ class XlaBuckets:
         Raises ConfigError naming the flag whose buckets cannot hold what a step holds, or reach past
         it: a bucket larger than any step is padding alone, and its graph is compiled and its tensors
         allocated all the same (--seq-buckets 4,1000000 asked for 32.9 GB at warmup, naming nothing).
-        The decoder checks them before it listens (api/main.py's check_model)."""
+        The decoder checks them before it listens (api/start_checks.py's check_model)."""
         default_seqs = power_of_two_buckets(config.max_num_seqs)
         decode_seqs = config.seq_buckets or default_seqs
         check_reach("seq_buckets", decode_seqs, config.max_num_seqs, "--max-num-seqs")
