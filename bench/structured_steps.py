@@ -5,9 +5,9 @@ phase alone.
 For each N: N requests of `--prompt-len` random tokens, greedy, are admitted and prefilled, a few warm
 decode steps run, then `--steps` decode steps are timed (wall time of `EngineCore.step`), the free and
 the constrained arm alternating per repeat. In the constrained arm the helper thread's mask work
-(`_grammar_masks`: every constrained row's bitmask, unpacked) is timed by wall and CPU time, and so is
-how long the engine thread waited for it after the forward pass: the only time masks add to a step
-beyond unpacking and applying them. Steps where a constrained request had finished (its schema
+(`step_grammar.masks_of`: every constrained row's bitmask, unpacked) is timed by wall and CPU time,
+and so is how long the engine thread waited for it after the forward pass: the only time masks add
+to a step beyond unpacking and applying them. Steps where a constrained request had finished (its schema
 complete) are left out, so every step counted has N constrained rows. Finally, at the last measured
 state, the N matchers' bitmasks are filled one by one (as the helper thread does) and in one call of
 llguidance's parallel fill (`fill_next_token_bitmask_par`, an `LLExecutor` of `--par-threads`).
@@ -37,7 +37,7 @@ from tandem.decoder.backends.cpu.isa import this_cpu  # noqa: E402
 from tandem.decoder.engine.admission.prompt import GenerateSpec  # noqa: E402
 from tandem.decoder.engine.outputs.outputs import OutputOptions, OutputState  # noqa: E402
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput  # noqa: E402
-from tandem.decoder.engine.step import core as core_module  # noqa: E402
+from tandem.decoder.engine.step import step_grammar  # noqa: E402
 
 # A few fields, strings long enough that no answer completes within the measured steps.
 SCHEMA = {
@@ -66,11 +66,11 @@ def parse_args() -> argparse.Namespace:
 
 
 class MaskClock:
-    """Times the helper thread's `_grammar_masks` and the engine thread's forward pass, per step."""
+    """Times the helper thread's `masks_of` and the engine thread's forward pass, per step."""
 
     def __init__(self, engine) -> None:
         self.runner = engine.core.runner
-        self.original_masks = core_module._grammar_masks
+        self.original_masks = step_grammar.masks_of
         self.original_execute = self.runner.execute
         self.mask_wall: list[float] = []
         self.mask_cpu: list[float] = []
@@ -91,7 +91,7 @@ class MaskClock:
             self._pending_forward_end = forward_end
             return output
 
-        core_module._grammar_masks = masks
+        step_grammar.masks_of = masks
         self.runner.execute = execute
 
     def settle(self, has_masks: bool) -> None:
@@ -100,7 +100,7 @@ class MaskClock:
             self.wait.append(max(0.0, self._mask_end - self._pending_forward_end))
 
     def restore(self) -> None:
-        core_module._grammar_masks = self.original_masks
+        step_grammar.masks_of = self.original_masks
         self.runner.execute = self.original_execute
 
 
