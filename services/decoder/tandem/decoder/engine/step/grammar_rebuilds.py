@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Container
 
-from tandem.decoder.engine.sampling.structured import Constraint
+from tandem.decoder.engine.sampling.constraint import Constraint
 
 # A step's time given to rebuilds' replays: a neighbour's gap between tokens grows by about this while
 # one runs (one token's taking may pass it: the per-token CPU limit bounds that on average). The
