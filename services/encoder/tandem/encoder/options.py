@@ -87,7 +87,8 @@ def settings() -> list[Setting]:
         _config("--max-batch-size", "most concurrent Embed calls run together in one batch", type=int),
         _config(
             "--max-batch-wait-ms",
-            "longest an image call waits for others to join its batch, in milliseconds (text never waits)",
+            "longest an image call waits for others to join its batch, in milliseconds, 0-1000 (text never "
+            "waits)",
             type=float,
         ),
         _config(
@@ -99,7 +100,7 @@ def settings() -> list[Setting]:
         _config("--shared-memory-segments", "most segments in that pool, leased or free", type=int),
         _config(
             "--shared-memory-lease-s",
-            "seconds a reply's segment stays leased to its reader before the encoder takes it back",
+            "seconds a reply's segment stays leased to its reader before the encoder takes it back, 0.1-3600",
             type=float,
         ),
         _config(

@@ -249,8 +249,8 @@ def settings() -> list[Setting]:
             type=click.Path(),  # a str: an empty value is refused (as a Path it is the working directory)
             show_default="none: LoadAdapter is refused, only --lora adapters are served",
         ),
-        _engine_setting("--max-loras", "LoRA: most adapters loaded at once (slots)", type=int),
-        _engine_setting("--max-lora-rank", "LoRA: highest adapter rank (r) a slot holds", type=int),
+        _engine_setting("--max-loras", "LoRA: most adapters loaded at once (slots), 1-256", type=int),
+        _engine_setting("--max-lora-rank", "LoRA: highest adapter rank (r) a slot holds, 1-512", type=int),
         Setting(
             ENV_PREFIX,
             "--world-size",
