@@ -100,11 +100,19 @@ def _is_utf_8(text: str) -> bool:
 
 def check_adapter_name(name: str, field: str = "name") -> None:
     """A LoRA adapter's name: 1 to MAX_MODEL_NAME_BYTES bytes (it stands for a model name in the
-    OpenAI front, as in vLLM). Raises InvalidArgument naming `field`."""
+    OpenAI front, as in vLLM), a label (`check_label`), and in Unicode's composed form (NFC): "café"
+    spelled with U+00E9 and spelled "e" + U+0301 look the same and were two adapters, each listed,
+    loaded and named in requests apart. Raises InvalidArgument naming `field`."""
     size = len(name.encode())
     if not 1 <= size <= MAX_MODEL_NAME_BYTES:
         raise InvalidArgument(field, f"must be 1 to {MAX_MODEL_NAME_BYTES} bytes, got {size}")
     check_label(name, field)
+    if not unicodedata.is_normalized("NFC", name):
+        raise InvalidArgument(
+            field,
+            f"must be in Unicode's composed form (NFC), as {echo(unicodedata.normalize('NFC', name))}, "
+            f"got {echo(name)}: the two spellings look alike",
+        )
 
 
 # Control characters (newline, carriage return, escape, DEL, ...) and the two Unicode line separators,

@@ -1,5 +1,6 @@
 """The `model` field: bounded, checked against the served name, never echoed whole."""
 
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,19 @@ def test_an_adapter_name_with_control_characters_or_outer_white_space_is_refused
 
 def test_an_adapter_name_may_hold_inner_spaces_and_any_letters() -> None:
     check_adapter_name("my adapter/v2-é")
+
+
+@pytest.mark.parametrize(
+    "name", ["cafe\u0301", "\u212b-adapter", "\u1100\u1161"]
+)  # e + accent, Angstrom sign, jamo
+def test_an_adapter_name_in_a_decomposed_spelling_is_refused_naming_the_composed_one(name: str) -> None:
+    # "café" as e + U+0301 beside "café" with U+00E9: two adapters, listed and named apart, that look alike.
+    composed = unicodedata.normalize("NFC", name)
+    assert composed != name
+    with pytest.raises(InvalidArgument, match="must be in Unicode's composed form \\(NFC\\), as ") as caught:
+        check_adapter_name(name, "name")
+    assert caught.value.field == "name" and repr(composed) in caught.value.description
+    check_adapter_name(composed, "name")
 
 
 @pytest.mark.parametrize(

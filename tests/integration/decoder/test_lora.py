@@ -246,6 +246,16 @@ async def test_bad_adapter_calls_get_their_status_and_load_nothing(
     code, _ = await status_of(client.load_adapter(model_name, str(adapters["qv4"])))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert [a.name for a in await client.list_adapters()] == ["all16", "fourth", "mlp8", "qv4"]
+    # An unload names its field and limit as a load does (it answered NOT_FOUND, echoing 10,000
+    # characters), and a name spelled apart from a loaded one that looks the same is refused on both.
+    for name, rule in (("", "must be 1 to 256 bytes, got 0"), ("z" * 10_000, "must be 1 to 256 bytes")):
+        code, details = await status_of(client.unload_adapter(name))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(f"name: {rule}")
+    twin = "fourthe\u0301"  # "fourthé" decomposed
+    for call in (client.load_adapter(twin, str(adapters["qv4"])), client.unload_adapter(twin)):
+        code, details = await status_of(call)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "composed form (NFC)" in details
+    assert [a.name for a in await client.list_adapters()] == ["all16", "fourth", "mlp8", "qv4"]
 
 
 async def test_a_server_without_lora_refuses_adapters(

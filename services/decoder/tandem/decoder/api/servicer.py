@@ -235,6 +235,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServicer):
     async def UnloadAdapter(
         self, request: decoder_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext
     ) -> decoder_pb2.UnloadAdapterResponse:
+        check_adapter_name(request.name)  # as LoadAdapter: a 10,000-character name was echoed as not loaded
         running = self._healthy_engine().unload_adapter(request.name)
         return decoder_pb2.UnloadAdapterResponse(running_requests=running)
 
