@@ -47,7 +47,8 @@ from tandem.decoder.engine.outputs.outputs import Finished  # noqa: E402
 from tandem.decoder.engine.params import SamplingParams, StoppingParams  # noqa: E402
 from tandem.decoder.models.config import ModelConfig  # noqa: E402
 from tandem.decoder.models.loader import check_checkpoint  # noqa: E402
-from tandem.decoder.models.peft_adapter import TARGETS, module_shapes  # noqa: E402
+from tandem.decoder.models.peft_adapter import TARGETS  # noqa: E402
+from tandem.decoder.models.peft_weights import module_shapes  # noqa: E402
 
 RANK, NUM_ADAPTERS, NEW_TOKENS = 16, 4, 64
 

@@ -17,7 +17,8 @@ from tandem.decoder.models.config import ModelConfig
 from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.loader import load_model
 from tandem.decoder.models.lora import ROW_PARALLEL, LoraStep, LoraTable
-from tandem.decoder.models.peft_adapter import TARGETS, LoraAdapter, module_shapes
+from tandem.decoder.models.peft_adapter import TARGETS, LoraAdapter
+from tandem.decoder.models.peft_weights import module_shapes
 
 from .harness import FakeRank
 

@@ -21,7 +21,7 @@ from tandem.decoder.engine.outputs.outputs import Delta, Event, Finished
 from tandem.decoder.engine.params import SamplingParams, StoppingParams
 from tandem.decoder.engine.step.xla_runner import XlaRunner
 from tandem.decoder.models.loader import load_model
-from tandem.decoder.models.peft_adapter import module_shapes
+from tandem.decoder.models.peft_weights import module_shapes
 from tests.xla.helpers import engine_on, settings, table_rows
 
 # (rank, lora_alpha, target modules): a part of the fused q/k/v, the MLP, all seven.

@@ -15,14 +15,10 @@ import pytest
 
 from tandem.client.errors import FailedPrecondition, InvalidArgument
 from tandem.common.model_name import echo
+from tandem.decoder.models.adapter_files import FileIdentity, FoundFile
 from tandem.decoder.models.adapter_root import AdapterRoot, start_up_shown
-from tandem.decoder.models.peft_adapter import (
-    CONFIG_FILE,
-    MAX_PATH_BYTES,
-    WEIGHTS_FILE,
-    FileIdentity,
-    FoundFile,
-)
+from tandem.decoder.models.peft_adapter import CONFIG_FILE, MAX_PATH_BYTES
+from tandem.decoder.models.peft_weights import WEIGHTS_FILE
 
 
 def adapter_dir(path: Path) -> Path:

@@ -30,7 +30,8 @@ from tandem.decoder.engine.step.rank_zero_failed import RankZeroFailed
 from tandem.decoder.models.attention import AttentionMetadata
 from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.lora import LoraStep, LoraTable
-from tandem.decoder.models.peft_adapter import TARGETS, LoraAdapter, module_shapes
+from tandem.decoder.models.peft_adapter import TARGETS, LoraAdapter
+from tandem.decoder.models.peft_weights import module_shapes
 
 
 class ControlChannel(Protocol):

@@ -37,15 +37,10 @@ from pathlib import Path, PurePosixPath
 
 from tandem.client.errors import FailedPrecondition, InvalidArgument
 from tandem.common.model_name import echo
+from tandem.decoder.models.adapter_files import FileIdentity, FoundAdapter, FoundFile
 from tandem.decoder.models.beneath import LeadsOut, OpenDirectory, open_beneath, resolve
-from tandem.decoder.models.peft_adapter import (
-    CONFIG_FILE,
-    MAX_PATH_BYTES,
-    WEIGHTS_FILE,
-    FileIdentity,
-    FoundAdapter,
-    FoundFile,
-)
+from tandem.decoder.models.peft_adapter import CONFIG_FILE, MAX_PATH_BYTES
+from tandem.decoder.models.peft_weights import WEIGHTS_FILE
 
 ROOT_FLAG = "--lora-root"
 

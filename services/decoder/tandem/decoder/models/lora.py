@@ -29,7 +29,8 @@ from typing import Protocol
 import torch
 
 from tandem.decoder.models.config import ModelConfig
-from tandem.decoder.models.peft_adapter import LoraAdapter, module_shapes
+from tandem.decoder.models.peft_adapter import LoraAdapter
+from tandem.decoder.models.peft_weights import module_shapes
 from tandem.decoder.models.tensor_parallel import ParallelGroup, world_size_of
 
 # Each projection of the model and the checkpoint modules it fuses, in output order.
