@@ -306,11 +306,12 @@ class StepTimer:
             (runner, "prepare"): runner.prepare,
             (runner, "forward"): runner.forward,
             (core, "_sample"): core._sample,
-            (core, "_emit"): core._emit,
+            (core, "_outputs"): core._outputs,  # emit: a step's outputs made, then delivered to streams
+            (core, "_deliver"): core._deliver,
             (core, "step"): core.step,
         }
         for (obj, name), fn in self._originals.items():
-            phase = {"_sample": "sample", "_emit": "emit"}.get(name, name)
+            phase = {"_sample": "sample", "_outputs": "emit", "_deliver": "emit"}.get(name, name)
             setattr(obj, name, self._step(fn) if name == "step" else self._timed(phase, fn))
 
     def _timed(self, phase: str, fn):
@@ -330,8 +331,8 @@ class StepTimer:
             plan_holder: list = []
             schedule = self.core.scheduler.schedule
 
-            def capture():
-                plan = schedule()
+            def capture(*args, **kwargs):  # not_runnable: the requests whose grammar is being rebuilt
+                plan = schedule(*args, **kwargs)
                 plan_holder.append(plan)
                 return plan
 
