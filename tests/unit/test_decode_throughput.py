@@ -112,3 +112,24 @@ def test_the_grpc_server_gets_the_in_process_engines_pool_and_budget(
     config = _config(monkeypatch, args, 8)
     assert int(flags["--num-kv-blocks"]) == config.num_kv_blocks == 105
     assert int(flags["--max-num-batched-tokens"]) == config.max_num_batched_tokens == 2048
+
+
+def test_the_breakdowns_step_timer_wraps_what_the_engine_runs_and_times_every_phase(
+    tiny_model_dir: Path,
+) -> None:
+    """`--breakdown` (and bench/profile_step.py) wrap the engine's own methods by name: when the step
+    loses one (core._emit became _outputs and _deliver) or a signature changes (schedule's
+    not_runnable), the bench failed with AttributeError or a failed request, and no test saw it."""
+    bench = _bench("decode_throughput")
+    args = _workload(prompt_len=8, new_tokens=4)
+    with bench.build_engine(tiny_model_dir, args, max_requests=2) as engine:
+        timer = bench.StepTimer(engine)
+        try:
+            prompts = bench.make_prompts(2, 8, engine.model_config.vocab_size, seed=0)
+            _, tokens = bench.run_tandem(engine, prompts, 4)
+        finally:
+            timer.restore()
+    assert [len(t) for t in tokens] == [4, 4]
+    summary = timer.summary()
+    assert summary and all(row["steps"] >= 1 for row in summary.values())
+    assert all(row[phase] > 0 for row in summary.values() for phase in ("forward", "sample", "emit"))
