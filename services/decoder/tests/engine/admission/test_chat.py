@@ -20,8 +20,9 @@ from transformers import AutoTokenizer
 from tandem.client.errors import FailedPrecondition, InvalidArgument, Unavailable
 from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, TextPrompt
 from tandem.decoder.engine.admission.chat import RENDER_VARIABLES, ChatMessage, ChatRequest, ChatTemplate
+from tandem.decoder.engine.admission.template_sandbox import sandbox
 from tandem.decoder.engine.admission.template_source import read_template_source
-from tandem.decoder.engine.admission.template_worker import TemplateWorkers, sandbox
+from tandem.decoder.engine.admission.template_worker import TemplateWorkers
 
 # A second template family with other control tokens (Llama 3's layout).
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

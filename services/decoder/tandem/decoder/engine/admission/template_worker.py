@@ -12,11 +12,12 @@ template might find a way around:
 - output: MAX_RENDERED_CHARS, counted while the template produces it.
 A bound exceeded is the request's INVALID_ARGUMENT naming `chat.chat_template` (chat.py).
 
-The workers are plain `python -m tandem.decoder.engine.admission.template_worker` processes that import only
-Jinja2 (no torch, about 20 MB each), spoken to with one JSON line each way, so a render costs a few
-hundred microseconds of pipe work. `TemplateWorkers` keeps WORKERS of them; two renders run at once, so
-one slow template does not hold up another caller's chat (and the request-building threads wait on a
-pipe, the GIL released). Each worker compiles a template once and keeps the last CACHED_TEMPLATES.
+The workers are plain `python -m tandem.decoder.engine.admission.template_worker_main` processes that
+import only Jinja2 (no torch, about 20 MB each), spoken to with one JSON line each way, so a render
+costs a few hundred microseconds of pipe work. `TemplateWorkers` keeps WORKERS of them; two renders run
+at once, so one slow template does not hold up another caller's chat (and the request-building threads
+wait on a pipe, the GIL released). Each worker compiles a template once and keeps the last
+CACHED_TEMPLATES (template_worker_main.py).
 `compile` compiles and renders nothing: the decoder asks it of the checkpoint's template before it
 listens (template_source.py). Compiling is bounded as rendering is, for it runs some of the template:
 Jinja folds constant expressions while compiling (`{{ 'a' * 10**8 }}` allocates its 100 MB then,
@@ -34,7 +35,8 @@ part of that is never more than its limit. A worker that does not start within S
 killed and replaced, and that call fails with TemplateWorkerUnavailable (UNAVAILABLE: not the
 caller's fault, and a retry may succeed).
 
-This module is both sides: `main()` runs in the worker and imports nothing of Tandem's.
+This module is the server's side and the bounds both sides keep; template_worker_main.py is what runs
+in the worker, rendering in template_sandbox.py's environment.
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ import sys
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -59,7 +60,6 @@ MEMORY_BYTES = 512 * 1024 * 1024  # the worker's whole address space, interprete
 # (template_source.START_TIME_LIMIT_S), for a busy machine's slow start is no template's doing.
 START_LIMIT_S = 10.0
 WORKERS = 2
-CACHED_TEMPLATES = 64
 READY = b'{"ready": true}\n'  # the worker's first line: it is listening for jobs
 
 
@@ -81,10 +81,16 @@ class TemplateWorkerUnavailable(TemplateFailed):
 
 
 def spawn_worker(memory_bytes: int) -> subprocess.Popen[bytes]:
-    """Starts a worker process (`main()` below) capped at `memory_bytes` of address space."""
+    """Starts a worker process (template_worker_main.main()) capped at `memory_bytes` of address space."""
     return subprocess.Popen(
         # -P: the server's working directory does not go on the worker's import path.
-        [sys.executable, "-P", "-m", "tandem.decoder.engine.admission.template_worker", str(memory_bytes)],
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "tandem.decoder.engine.admission.template_worker_main",
+            str(memory_bytes),
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -299,188 +305,3 @@ class _Worker:
         for pipe in (self.process.stdin, self.process.stdout):
             if pipe is not None:
                 pipe.close()
-
-
-# -- the worker side ----------------------------------------------------------------------------
-
-
-def main() -> None:
-    import resource
-
-    memory_bytes = int(sys.argv[1])
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    environment = sandbox()
-    sys.stdout.buffer.write(READY)  # from here on, a job's time is its template's alone
-    sys.stdout.buffer.flush()
-    templates: OrderedDict[str, Any] = OrderedDict()
-    for line in sys.stdin.buffer:
-        try:
-            request = json.loads(line)
-            template = _compiled(environment, templates, request["source"])
-            reply = {"text": _render(template, request)} if "messages" in request else {}
-        except MemoryError:
-            error = f"the template needed more than {memory_bytes >> 20} MiB of memory"
-            _reply({"error": error, "retiring": True})
-            return  # a process that ran out of memory is not trusted again: the parent starts another
-        except _TooLong:
-            reply = {"error": f"the rendered prompt exceeds {MAX_RENDERED_CHARS} characters", "field": "chat"}
-        except _DoesNotCompile as error:
-            reply = {"error": f"the template does not compile: {error}"}
-        except Exception as error:  # the template is code: any error it raises is the caller's to see
-            reply = {"error": f"the template failed: {_one_line(error)}"}
-        _reply(reply)
-
-
-class _TooLong(Exception):
-    pass
-
-
-class _DoesNotCompile(Exception):
-    """Jinja's syntax error, as "line N: message"."""
-
-
-def _compiled(environment: Any, templates: OrderedDict[str, Any], source: str) -> Any:
-    from jinja2 import TemplateSyntaxError
-
-    template = templates.pop(source, None)
-    if template is None:
-        try:
-            template = environment.from_string(source)
-        except TemplateSyntaxError as error:  # TemplateAssertionError too: an unknown filter or test
-            raise _DoesNotCompile(f"line {error.lineno}: {_one_line(error)}") from None
-    templates[source] = template  # most recently used last
-    while len(templates) > CACHED_TEMPLATES:
-        templates.popitem(last=False)
-    return template
-
-
-def _render(template: Any, request: dict[str, Any]) -> str:
-    chunks, size = [], 0
-    stream = template.generate(
-        messages=request["messages"],
-        add_generation_prompt=request["add_generation_prompt"],
-        **request["variables"],
-    )
-    for chunk in stream:
-        size += len(chunk)
-        if size > MAX_RENDERED_CHARS:
-            raise _TooLong
-        chunks.append(chunk)
-    return "".join(chunks)
-
-
-def _reply(reply: dict[str, Any]) -> None:
-    sys.stdout.buffer.write((json.dumps(reply, ensure_ascii=False) + "\n").encode())
-    sys.stdout.buffer.flush()
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())[:500] or type(error).__name__
-
-
-def sandbox() -> Any:
-    """Jinja2's immutable sandbox with transformers' settings, globals, filter and extensions (its
-    apply_chat_template's environment), so templates written for it render the same here, and nothing
-    but text and values printed."""
-    from datetime import datetime
-
-    from jinja2 import TemplateError, Undefined, nodes
-    from jinja2.exceptions import SecurityError
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    from jinja2.utils import Namespace
-
-    printable = (str, int, float, bool, type(None), list, tuple, dict, Undefined)
-
-    def finalize(value: Any) -> Any:
-        # Anything else (a function, a macro, a loop object) prints as its repr, which can hold a
-        # heap address that the caller would read back through the prompt's logprobs.
-        pending = [value]
-        while pending:
-            item = pending.pop()
-            if not isinstance(item, printable):
-                raise TemplateError(f"the template printed a {type(item).__name__}, not text or a value")
-            if isinstance(item, dict):
-                pending.extend(item.keys())
-                pending.extend(item.values())
-            elif isinstance(item, list | tuple):
-                pending.extend(item)
-        return value
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    def strftime_now(format: str) -> str:
-        # Llama 3.x templates print today's date with it; without it they print "26 Jul 2024".
-        return datetime.now().strftime(format)
-
-    def tojson(
-        value: Any,
-        ensure_ascii: bool = False,
-        indent: int | None = None,
-        separators: tuple[str, str] | None = None,
-        sort_keys: bool = False,
-    ) -> str:
-        # Jinja's own escapes HTML characters (`<` as \u003c), which transformers' does not.
-        return json.dumps(
-            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    class TemplateDict:
-        """`dict(...)` and `dict.fromkeys(...)` alone, as transformers gives them: not the class,
-        whose attributes a template could otherwise reach for."""
-
-        def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-            return dict.fromkeys(*args, **kwargs)
-
-    class TemplateNamespace(Namespace):
-        """Jinja's namespace refusing `_`-prefixed attributes, as transformers' does (a way towards
-        CPython's internals)."""
-
-        def __init__(*args: Any, **kwargs: Any) -> None:
-            # Jinja's signature trick, so that `namespace(self=...)` still works.
-            self, args = args[0], args[1:]
-            attributes = dict(*args, **kwargs)
-            for name in attributes:
-                TemplateNamespace._check_name(name)
-            Namespace.__init__(self, attributes)
-
-        def __setitem__(self, name: str, value: Any) -> None:
-            TemplateNamespace._check_name(name)
-            Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check_name(name: Any) -> None:
-            if isinstance(name, str) and name.startswith("_"):
-                raise SecurityError(
-                    "Chat templates cannot store underscore-prefixed attributes on a namespace, but got "
-                    f"{name!r}. Please rename the attribute."
-                )
-
-    class Generation(Extension):
-        """transformers' `{% generation %}...{% endgeneration %}`, which marks the assistant's text for
-        training masks (LLaVA's templates use it): here it renders its body and nothing else."""
-
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.Scope(body, lineno=lineno)
-
-    environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, finalize=finalize, extensions=[Generation, loopcontrols]
-    )
-    environment.filters["tojson"] = tojson
-    environment.globals["raise_exception"] = raise_exception
-    environment.globals["strftime_now"] = strftime_now
-    environment.globals["dict"] = TemplateDict()
-    environment.globals["namespace"] = TemplateNamespace
-    return environment
-
-
-if __name__ == "__main__":
-    main()
