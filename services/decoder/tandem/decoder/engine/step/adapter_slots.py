@@ -18,6 +18,11 @@ from tandem.decoder.engine.step.tracked import Tracked
 
 
 class LiveAdapterSlots:
+    """The LoRA slots as the step sees them: which adapter each live request holds, and which slot a
+    load may take. It reads the core's own `live` dict and scheduler, the same objects (EngineCore
+    only ever mutates its `_live`, never rebinds it: a new dict there would leave this one stale).
+    Called under the core's lock, as the methods it came from (core.py) were."""
+
     def __init__(
         self,
         slots: AdapterSlots | None,  # the LoRA slots' names; None: LoRA off
