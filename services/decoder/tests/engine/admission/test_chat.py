@@ -19,8 +19,7 @@ from transformers import AutoTokenizer
 
 from tandem.client.errors import FailedPrecondition, InvalidArgument, Unavailable
 from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, TextPrompt
-from tandem.decoder.engine.admission.chat import RENDER_VARIABLES, ChatMessage, ChatRequest, ChatTemplate
-from tandem.decoder.engine.admission.template_sandbox import sandbox
+from tandem.decoder.engine.admission.chat import ChatMessage, ChatRequest, ChatTemplate
 from tandem.decoder.engine.admission.template_source import read_template_source
 from tandem.decoder.engine.admission.template_worker import TemplateWorkers
 
@@ -328,13 +327,6 @@ def test_a_template_kwarg_named_as_a_variable_the_render_passes_is_refused_by_na
         _template(smollm2_dir).render(chat)
     assert error.value.field == f"chat.template_kwargs.{name}"
     assert "multiple values" not in str(error.value)
-
-
-def test_a_template_kwarg_may_not_shadow_a_global_the_sandbox_gives_every_template() -> None:
-    # {"namespace": 1} on Qwen3's template (it calls namespace(...)) failed "'int' object is not
-    # callable", named chat.chat_template: a template the caller never sent.
-    assert set(sandbox().globals) <= set(RENDER_VARIABLES)
-    assert "strftime_now" in RENDER_VARIABLES  # transformers' global: its templates test and call it
 
 
 def test_a_template_kwarg_named_as_a_filter_is_the_templates_variable(smollm2_dir: Path) -> None:

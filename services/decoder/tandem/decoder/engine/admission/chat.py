@@ -1,11 +1,13 @@
 """Chat messages -> prompt parts, through the checkpoint's chat template.
 
 Rendering runs in Jinja2's immutable sandbox (no attribute or file escape, no mutation of the
-arguments), in a worker process with bounded time, memory and output (template_worker.py).
+arguments: template_sandbox.py), in a worker process with bounded time, memory and output
+(template_worker.py).
 
 How parts keep their boundaries and caller text stays text:
 - A token-ID or embedding part is rendered as a unique placeholder (a random nonce per render) and
-  spliced back as its own prompt part after rendering, so no tokenization crosses it.
+  spliced back as its own prompt part after rendering, so no tokenization crosses it
+  (chat_placeholders.py).
 - A text part is rendered inline, so the whole string tokenizes exactly as transformers'
   `apply_chat_template(..., tokenize=True)` does, unless it could take part in a special-token
   literal (such as `<|im_start|>`) in any case (a template may print it `| lower`): one inside it,
@@ -22,7 +24,7 @@ How parts keep their boundaries and caller text stays text:
   sit at a string's ends only, so where a string at risk was marked, a second render with each such
   string inert must give the template's own text the same special literals, or the chat is refused
   naming it: a template printing a string's middle (`x[34:-35]`) drops both markers. A kwarg
-  cannot replace a variable the render sets itself (RENDER_VARIABLES, and the checkpoint's
+  cannot replace a variable the render sets itself (render_variables.py, and the checkpoint's
   `bos_token`, `eos_token`, ...): a template prints `{{ eos_token }}` as its own text.
 
 Images (a part with `is_image`: an `image` part's rows, or an `encoder` part of a picture, whose rows
@@ -53,7 +55,7 @@ import json
 import logging
 import re
 import secrets
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,15 +65,16 @@ import tokenizers
 from tandem.client.errors import FailedPrecondition, InvalidArgument, Unavailable
 from tandem.common import vision_language
 from tandem.common.torch_part.prompt_parts import EmbeddingPrompt, EncoderPrompt, PromptPart, TextPrompt
-from tandem.decoder.engine.admission.prefix_space import prefix_free
-from tandem.decoder.engine.admission.template_kwargs import FIELD as TEMPLATE_KWARGS
-from tandem.decoder.engine.admission.template_kwargs import (
-    TemplateKwargs,
-    check_size,
-    mark,
-    template_kwargs,
-    unmark,
+from tandem.decoder.engine.admission.chat_placeholders import (
+    LocatedPart,
+    message_content,
+    place_images,
+    splice,
 )
+from tandem.decoder.engine.admission.prefix_space import prefix_free
+from tandem.decoder.engine.admission.render_variables import check_template_kwargs
+from tandem.decoder.engine.admission.special_literals import literal_tokenizer, trie_pattern
+from tandem.decoder.engine.admission.template_kwargs import TemplateKwargs, mark, template_kwargs, unmark
 from tandem.decoder.engine.admission.template_source import (
     START_TIME_LIMIT_S,
     read_special_tokens,
@@ -84,24 +87,6 @@ from tandem.decoder.engine.admission.template_worker import (
 )
 
 ROLES = ("system", "user", "assistant", "tool")
-# The variables a render passes the template itself, besides the checkpoint's special tokens: a
-# template_kwargs key of one of the first two reached Jinja2 twice and failed "generate() got multiple
-# values for keyword argument", named as the template's fault; one named raise_exception replaced it.
-# So would a key shadowing a global the sandbox gives every template (template_worker.sandbox: Jinja's
-# own and raise_exception), which a template calls: {"namespace": 1} on Qwen3's template failed
-# "'int' object is not callable", named chat.chat_template, a template the caller never sent; and
-# transformers' strftime_now, which its templates (Llama 3.1's) call once `strftime_now is defined`.
-# Filters and tests are namespaces of their own, which no variable shadows.
-RENDER_VARIABLES = {
-    "messages": "the chat's messages (chat.messages)",
-    "add_generation_prompt": "chat.add_generation_prompt's; set that field",
-    "raise_exception": "the function the sandbox gives every template",
-    "strftime_now": "transformers' function, which templates written for it call",
-    **{
-        name: f"Jinja's global {name}(), which templates call"
-        for name in ("range", "dict", "lipsum", "cycler", "joiner", "namespace")
-    },
-}
 
 # A message's name: a participant's label (OpenAI has documented at most 64 characters of
 # [a-zA-Z0-9_-]; its SDK's types and vLLM bound none). Any character passes, as in vLLM; the length is
@@ -138,10 +123,6 @@ class ChatRequest:
 
 _NAME = re.compile(r"chat\.messages\[\d+\]\.name")  # a message's name, as render() marks it
 
-# A rendered prompt: each part with the field path its errors name. The template's own text is
-# `TextPrompt(text)` at "chat"; a caller's part keeps its path, `chat.messages[i].content[j]`.
-LocatedPart = tuple[str, PromptPart]
-
 
 class ChatTemplate:
     """The checkpoint's template and what it needs: special token names and the end-of-turn ID."""
@@ -176,7 +157,7 @@ class ChatTemplate:
         # `<|IM_START|>` or `[inst]` into a literal. Every literal in one alternation, so a string is
         # read once, not once per literal (267 of them in a Llama 3 vocabulary).
         folded = sorted({literal.casefold() for literal in self._special_literals})
-        self._folded_pattern = re.compile(_trie(folded)) if folded else None
+        self._folded_pattern = re.compile(trie_pattern(folded)) if folded else None
         # Every proper start and end of a literal ("<", "<|", ... and ">", "|>", ...), casefolded.
         self._literal_starts = {literal[:n] for literal in folded for n in range(1, len(literal))}
         self._literal_ends = {literal[-n:] for literal in folded for n in range(1, len(literal))}
@@ -187,7 +168,7 @@ class ChatTemplate:
         self._longest_literal = max(map(len, self._special_literals), default=0)
         # Every literal's start, the longest where several start at one place (it spans the others).
         self._literal_pattern = (
-            re.compile(f"(?=({_trie(self._special_literals)}))") if self._special_literals else None
+            re.compile(f"(?=({trie_pattern(self._special_literals)}))") if self._special_literals else None
         )
         self._normalizes_specials = tokenizer.normalizer is not None and any(
             t.special and t.normalized for t in tokenizer.get_added_tokens_decoder().values()
@@ -240,7 +221,7 @@ class ChatTemplate:
                 spliced[key] = (f"chat.messages[{i}].content[{j}]", as_given)
                 pieces.append(key)
             as_items = self.image_placeholder is not None
-            rendered: dict[str, Any] = {"role": message.role, "content": _content(pieces, as_items)}
+            rendered: dict[str, Any] = {"role": message.role, "content": message_content(pieces, as_items)}
             messages.append(rendered)
         named = self._with_names(chat, messages, kwargs)
         printed = unmark(
@@ -248,8 +229,8 @@ class ChatTemplate:
         )
         if kwargs.at_risk:
             self._check_nothing_forged(source, chat, messages, kwargs, printed)
-        parts = _splice(self._inline_names(printed), spliced, nonce)
-        return _place_images(parts, images, self.image_placeholder) if images else parts
+        parts = splice(self._inline_names(printed), spliced, nonce)
+        return place_images(parts, images, self.image_placeholder) if images else parts
 
     def _with_names(
         self,
@@ -382,8 +363,8 @@ class ChatTemplate:
         mark = f"tandem{secrets.token_hex(4)}"
         as_items = self.image_placeholder is not None  # as render() passes content
         conversation = [
-            {"role": "user", "content": _content(["x"], as_items)},
-            {"role": "assistant", "content": _content([mark], as_items)},
+            {"role": "user", "content": message_content(["x"], as_items)},
+            {"role": "assistant", "content": message_content([mark], as_items)},
         ]
         try:
             text = self.workers.render(self.source or "", conversation, True, self.special, time_limit_s)
@@ -405,133 +386,8 @@ class ChatTemplate:
         return ()
 
 
-def check_template_kwargs(kwargs: dict[str, Any], special: Collection[str]) -> None:
-    """Refuses kwargs past template_kwargs.MAX_KWARGS_CHARS, or one named as a variable the render
-    sets itself (RENDER_VARIABLES, or one of the checkpoint's `special` token names), naming it and
-    every name taken."""
-    check_size(kwargs)
-    # The kwargs' names are read (usually none), not the ~17 taken: the list is built for a refusal only.
-    for name in kwargs:
-        if name in RENDER_VARIABLES or name in special:
-            own = RENDER_VARIABLES | {token: f"the checkpoint's {token}" for token in special}
-            raise InvalidArgument(
-                f"{TEMPLATE_KWARGS}.{name}",
-                f"is the template's own variable, {own[name]}; a kwarg may not be named any of "
-                f"{', '.join(sorted(own))}",
-            )
-
-
-def _trie(words: Sequence[str]) -> str:
-    """A pattern matching the longest of `words` that starts at a position, factored by common
-    prefixes: a position is read once per character, where an alternation of the words tried each
-    (1 MiB of '<|' against 267 `<|...|>` literals: 1.2 s, as a trie 11 ms)."""
-    tree: dict[str, dict] = {}
-    for word in words:
-        node = tree
-        for char in word:
-            node = node.setdefault(char, {})
-        node[""] = {}  # a word ends here
-
-    def pattern(node: dict[str, dict]) -> str:
-        branches = [re.escape(char) + pattern(child) for char, child in node.items() if char]
-        if not branches:
-            return ""
-        if "" not in node and len(branches) == 1:
-            return branches[0]
-        return f"(?:{'|'.join(branches)})" + ("?" if "" in node else "")  # greedy: the longer first
-
-    return pattern(tree)
-
-
-def literal_tokenizer(tokenizer: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
-    """A copy of `tokenizer` that tokenizes special-token literals as the plain text they spell."""
-    literal = tokenizers.Tokenizer.from_str(tokenizer.to_str())
-    literal.encode_special_tokens = True
-    return literal
-
-
 def _json_object(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     value = json.loads(path.read_text())
     return value if isinstance(value, dict) else {}
-
-
-def _content(pieces: list[str | None], as_items: bool) -> str | list[dict[str, str]]:
-    """A message's content for the template: a string, or (with images, or `as_items`) transformers'
-    list of items."""
-    if None not in pieces and not as_items:
-        return "".join(piece for piece in pieces if piece is not None)
-    items: list[dict[str, str]] = []
-    for piece in pieces:
-        if piece is None:
-            items.append({"type": "image"})
-        elif items and items[-1]["type"] == "text":
-            items[-1]["text"] += piece
-        else:
-            items.append({"type": "text", "text": piece})
-    return items
-
-
-def _place_images(
-    parts: list[LocatedPart], images: list[LocatedPart], placeholder: str | None
-) -> list[LocatedPart]:
-    """Each placeholder the template wrote (in its own text, never in a caller's) takes the next
-    image's rows."""
-    assert placeholder
-    placed: list[LocatedPart] = []
-    remaining = iter(images)
-    count = 0
-    for path, part in parts:
-        if path != "chat" or not isinstance(part, TextPrompt) or placeholder not in part.text:
-            placed.append((path, part))
-            continue
-        pieces = part.text.split(placeholder)
-        for k, piece in enumerate(pieces):
-            if k:
-                count += 1
-                image = next(remaining, None)
-                if image is None:
-                    break
-                placed.append(image)
-            if piece:
-                placed.append(("chat", TextPrompt(piece)))
-    if count != len(images):
-        raise InvalidArgument(
-            "chat.chat_template",
-            f"the template wrote {count} image placeholders {placeholder!r} for {len(images)} images; "
-            "each image part must be placed exactly once",
-        )
-    return placed
-
-
-# Any render's placeholder, its nonce group compared to this render's: a pattern built from the nonce,
-# fresh each render, missed re's cache and was compiled anew for every chat with a non-text part.
-_PART = re.compile(r"<<tandem-part-([0-9a-f]+)-\d+-\d+>>")
-
-
-def _splice(rendered: list[LocatedPart], spliced: dict[str, LocatedPart], nonce: str) -> list[LocatedPart]:
-    """Splits the template's text at the placeholders; each must appear exactly once."""
-    parts: list[LocatedPart] = []
-    seen: set[str] = set()
-    for path, part in rendered:
-        if path != "chat" or not isinstance(part, TextPrompt):  # a kwarg's plain text
-            parts.append((path, part))
-            continue
-        text, position = part.text, 0
-        for match in _PART.finditer(text):
-            if match[1] != nonce:  # not this render's: text that merely looks like a placeholder
-                continue
-            key = match.group(0)
-            if key in seen or key not in spliced:
-                raise InvalidArgument("chat.chat_template", "the template repeated a non-text message part")
-            seen.add(key)
-            if match.start() > position:
-                parts.append(("chat", TextPrompt(text[position : match.start()])))
-            parts.append(spliced[key])
-            position = match.end()
-        if position < len(text):
-            parts.append(("chat", TextPrompt(text[position:])))
-    if len(seen) != len(spliced):
-        raise InvalidArgument("chat.chat_template", "the template dropped a non-text message part")
-    return parts

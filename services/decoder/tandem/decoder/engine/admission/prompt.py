@@ -41,13 +41,13 @@ from tandem.decoder.engine.admission.chat import (
     MAX_NAME_CHARS,
     ChatRequest,
     ChatTemplate,
-    LocatedPart,
-    check_template_kwargs,
-    literal_tokenizer,
     no_chat_template,
 )
 from tandem.decoder.engine.admission.chat import ROLES as CHAT_ROLES
+from tandem.decoder.engine.admission.chat_placeholders import LocatedPart
 from tandem.decoder.engine.admission.prefix_space import PrefixFree
+from tandem.decoder.engine.admission.render_variables import check_template_kwargs
+from tandem.decoder.engine.admission.special_literals import literal_tokenizer
 from tandem.decoder.engine.outputs.outputs import OutputOptions
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
 from tandem.decoder.engine.request import EmbeddingSegment, Request, TokenSegment
