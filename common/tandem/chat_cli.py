@@ -35,19 +35,16 @@ import grpc
 from tandem.cli_errors import CallFlags, failure
 from tandem.client.client import DecoderClient, EncoderClient, EncoderPart, ImageRows
 from tandem.client.security import ChannelSecurity
+from tandem.common.client_security_flags import checked_client_security, client_security_options
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
     UINT32,
     UINT64,
     FlagError,
-    checked_client_security,
-    client_security_options,
     describe_flag,
     option,
-    structured_choice,
-    structured_fields,
-    structured_options,
 )
+from tandem.common.structured_flags import structured_choice, structured_fields, structured_options
 
 PROG = "tandem chat"
 RESET = "/reset"

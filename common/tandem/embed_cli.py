@@ -17,16 +17,15 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from tandem.cli_telemetry import run_traced
+from tandem.common.client_security_flags import checked_client_security, client_security_options
 from tandem.common.dtypes import BY_NAME, FLOAT_NAMES
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
     PATH,
-    checked_client_security,
-    client_security_options,
     describe_flag,
-    is_token_ids,
     option,
 )
+from tandem.common.token_ids_text import is_token_ids
 
 if TYPE_CHECKING:
     from tandem.client.security import ChannelSecurity

@@ -19,20 +19,17 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from tandem.cli_telemetry import run_traced
+from tandem.common.client_security_flags import checked_client_security, client_security_options
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
     TEXT,
     UINT32,
     UINT64,
-    checked_client_security,
-    client_security_options,
     describe_flag,
-    is_token_ids,
     option,
-    structured_choice,
-    structured_fields,
-    structured_options,
 )
+from tandem.common.structured_flags import structured_choice, structured_fields, structured_options
+from tandem.common.token_ids_text import is_token_ids
 
 if TYPE_CHECKING:
     from tandem.client.pb.tandem.v1 import decoder_pb2

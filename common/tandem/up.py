@@ -43,10 +43,11 @@ from tandem.common.flags import (
     error_line,
     flag_error,
     run,
-    server_security_settings,
 )
 from tandem.common.listening import asyncio_plan, check_port_free
-from tandem.common.server import DEFAULT_GRACE_S, TlsOptions
+from tandem.common.server_flags import server_security_settings
+from tandem.common.server_options import DEFAULT_GRACE_S
+from tandem.common.server_tls import TlsOptions
 from tandem.decoder.config import QUANTIZATIONS
 from tandem.up_commands import gateway_command, in_service_environment, serve_command
 from tandem.up_config import SECURITY_FIELDS, STOP_MARGIN_S, UpConfig

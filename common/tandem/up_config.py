@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.client.errors import ConfigError
-from tandem.common.server import DEFAULT_GRACE_S
+from tandem.common.server_options import DEFAULT_GRACE_S
 
 SERVICES = ("encoder", "decoder")
 # After the grace period: time for the services to end their aborted streams, flush their spans and

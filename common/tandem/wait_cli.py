@@ -17,11 +17,10 @@ from typing import Any
 
 import click
 
+from tandem.common.client_security_flags import checked_client_security, client_security_options
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
     FlagError,
-    checked_client_security,
-    client_security_options,
     option,
 )
 

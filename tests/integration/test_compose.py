@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tandem.common.server import DEFAULT_GRACE_S
+from tandem.common.server_options import DEFAULT_GRACE_S
 from tandem.up_commands import serve_command
 from tandem.up_config import STOP_MARGIN_S, UpConfig
 from tests.integration.test_images import dockerfile, dockerfile_instructions

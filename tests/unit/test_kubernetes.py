@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tandem.common.server import DEFAULT_GRACE_S
+from tandem.common.server_options import DEFAULT_GRACE_S
 from tandem.up_commands import serve_command
 from tandem.up_config import STOP_MARGIN_S, UpConfig
 

@@ -23,17 +23,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import click
 
-from tandem.client.auth import load_tokens, read_token
-from tandem.client.channel import ChannelSecurity
 from tandem.client.errors import ConfigError
-from tandem.client.flag_files import TlsFile, TlsFileError, read_tls_files
-from tandem.common.server import DEFAULT_GRACE_S, ServerOptions, TlsOptions
 
 
 class _Path(click.Path):
@@ -204,18 +200,6 @@ UINT32 = click.IntRange(0, 2**32 - 1)  # what a uint32 field of a request can ho
 UINT64 = click.IntRange(0, 2**64 - 1)  # a uint64 field's (the seed)
 
 
-def is_token_ids(text: str) -> bool:
-    """ "1,2,3": comma-separated integers a token ID (a uint32) can hold."""
-    # ASCII digits only (str.isdigit takes '²', which int() refuses, and '٣', which it reads), and
-    # at most 10 of them before int(), which refuses over 4,300 digits in words of its own.
-    ids = [i.strip() for i in text.split(",")]
-    return all(i.isascii() and i.isdigit() and _below_2_32(i.lstrip("0") or "0") for i in ids)
-
-
-def _below_2_32(digits: str) -> bool:
-    return len(digits) <= 10 and int(digits) < 2**32  # leading zeros stripped: int() counts them
-
-
 def describe_flag(name: str) -> str:
     """`describe` of the running command's option `name`, e.g. "--max-tokens (TANDEM_GENERATE_MAX_TOKENS)"."""
     ctx = click.get_current_context()
@@ -275,198 +259,3 @@ def run(command: click.Command, argv: Sequence[str] | None, prog_name: str) -> i
     except click.Abort:  # Ctrl-C at a prompt
         return 130
     return code if isinstance(code, int) else 0
-
-
-# -- what both services share: how they listen, drain, and secure their port ---------------------------
-
-
-def server_settings(prefix: str, default_port: int) -> list[Setting]:
-    """--host, --port, --max-message-bytes, --grace-s and the TLS / token files, as `prefix` variables."""
-    return [
-        Setting(
-            prefix,
-            "--host",
-            "listen address (0.0.0.0 in containers)",
-            default=default_of(ServerOptions, "host"),
-        ),
-        Setting(prefix, "--port", "listen port (0 = any free port)", type=int, default=default_port),
-        Setting(
-            prefix,
-            "--max-message-bytes",
-            "largest gRPC message sent or received (clients must use the same)",
-            type=int,
-            default=default_of(ServerOptions, "max_message_bytes"),
-        ),
-        Setting(
-            prefix,
-            "--grace-s",
-            "on SIGTERM: seconds in-flight calls get to finish; streams still open then end with "
-            "FINISH_REASON_ABORTED",
-            type=float,
-            default=DEFAULT_GRACE_S,
-        ),
-        *server_security_settings(prefix, ""),
-    ]
-
-
-def server_security_settings(prefix: str, help_prefix: str) -> list[Setting]:
-    """The TLS and bearer-token files a server takes (`tandem up` passes them to both services)."""
-    files = (
-        ("--tls-cert", "TLS: server certificate chain (PEM)", "none, plaintext"),
-        ("--tls-key", "TLS: the certificate's private key (PEM)", "none"),
-        ("--tls-client-ca", "mutual TLS: the CA client certificates must be signed by (PEM)", "none"),
-        (
-            "--auth-token-file",
-            "accepted bearer tokens, one per line; every call but health needs one",
-            "none, no authentication",
-        ),
-    )
-    return [
-        Setting(prefix, flag, help_prefix + text, type=PATH, default=None, show_default=shown, metavar="FILE")
-        for flag, text, shown in files
-    ]
-
-
-def server_options(values: Mapping[str, Any]) -> ServerOptions:
-    """ServerOptions from `server_settings` values. Raises ConfigError."""
-    options: dict[str, Any] = {k: values[k] for k in ("host", "port", "max_message_bytes", "grace_s")}
-    options["tls"] = TlsOptions.from_paths(values["tls_cert"], values["tls_key"], values["tls_client_ca"])
-    if values["auth_token_file"] is not None:
-        try:
-            options["auth_tokens"] = load_tokens(values["auth_token_file"])
-        except ValueError as error:
-            raise ConfigError("auth_token_file", f": {error}") from None
-    return ServerOptions(**options)
-
-
-# -- a client's side: the CA it trusts, its own certificate, the token it sends ------------------------
-
-
-def client_security_options() -> list[click.Option]:
-    return [
-        option("--tls", "use TLS (implied by --tls-ca, --tls-cert)", is_flag=True, default=False),
-        option(
-            "--tls-ca",
-            "CA to trust for the server, PEM",
-            type=PATH,
-            default=None,
-            show_default="system roots",
-        ),
-        option(
-            "--tls-cert", "mutual TLS: client certificate, PEM", type=PATH, default=None, show_default="none"
-        ),
-        option("--tls-key", "mutual TLS: its private key, PEM", type=PATH, default=None, show_default="none"),
-        option(
-            "--auth-token-file",
-            "file holding the bearer token to send (its first one)",
-            type=PATH,
-            default=None,
-            show_default="none",
-        ),
-    ]
-
-
-def client_security(values: Mapping[str, Any], prefix: str = "") -> ChannelSecurity:
-    """The channel security `client_security_options` ask for, their values under `prefix` (the
-    gateway's `upstream_`: `upstream_tls_ca`, ...). Raises ConfigError naming the value's key
-    (`tls_ca`, `upstream_tls_ca`, ...) for half a client pair, a file that cannot be read or used (never
-    read whole: /dev/zero passed 3 GB in 3 s; a CA that holds no PEM failed every call), or one that
-    holds no token."""
-    cert, key = f"{prefix}tls_cert", f"{prefix}tls_key"
-    if (values[cert] is None) != (values[key] is None):
-        flags = " and ".join("--" + name.replace("_", "-") for name in (cert, key))
-        raise ConfigError(key if values[key] is None else cert, f": {flags} go together (mutual TLS)")
-    try:
-        files = read_tls_files(values[cert], values[key], values[f"{prefix}tls_ca"])
-    except TlsFileError as error:
-        raise ConfigError(prefix + _CLIENT_TLS_FIELDS[error.file], f": {error}") from None
-    token = None
-    if values[f"{prefix}auth_token_file"] is not None:
-        try:
-            token = read_token(values[f"{prefix}auth_token_file"])
-        except ValueError as error:
-            raise ConfigError(f"{prefix}auth_token_file", f": {error}") from None
-    return ChannelSecurity(
-        is_tls=values[f"{prefix}tls"],
-        root_certificates=files.ca_bundle,
-        certificate_chain=files.certificate_chain,
-        private_key=files.private_key,
-        token=token,
-    )
-
-
-# The value each of a client's TLS files comes from, for a refusal.
-_CLIENT_TLS_FIELDS = {
-    TlsFile.CERTIFICATE_CHAIN: "tls_cert",
-    TlsFile.PRIVATE_KEY: "tls_key",
-    TlsFile.CA_BUNDLE: "tls_ca",
-}
-
-
-def checked_client_security(values: Mapping[str, Any]) -> ChannelSecurity:
-    """`client_security` for the running client command: a refusal is a FlagError naming its flag
-    (`--tls-ca (TANDEM_GENERATE_TLS_CA): /x: No such file or directory`), which exits 2."""
-    try:
-        return client_security(values)
-    except ConfigError as error:
-        is_command = click.get_current_context(silent=True) is not None
-        flag = describe_flag(error.field) if is_command else "--" + error.field.replace("_", "-")
-        raise FlagError(error.said_of(flag)) from None
-
-
-# -- structured output, for the client commands ----------------------------------------------------
-
-
-def structured_options() -> list[click.Option]:
-    """--json-schema FILE, --regex, --choice (repeatable) and --grammar FILE: at most one of them."""
-    return [
-        option("--json-schema", "the answer is JSON this schema (a file) validates", type=PATH, default=None,
-               show_default="none"),
-        option("--regex", "the answer matches this regular expression", default=None, show_default="none"),
-        option("--choice", "the answer is one of these strings (repeatable)", multiple=True,
-               show_default="none"),
-        option("--grammar", "the answer follows this Lark grammar (a file)", type=PATH, default=None,
-               show_default="none"),
-    ]  # fmt: skip
-
-
-def structured_fields() -> dict[str, str]:
-    """The request fields `structured_options` set -> their flags, as the running command names them."""
-    return {
-        "structured": "--json-schema / --regex / --choice / --grammar",
-        **{
-            f"structured.{kind}": describe_flag(kind)
-            for kind in ("json_schema", "regex", "choice", "grammar")
-        },
-    }
-
-
-def structured_choice(values: Mapping[str, Any]) -> Any:
-    """The StructuredOutput message `structured_options` ask for, or None. Raises click.UsageError for
-    two at once, click.BadParameter naming the flag for a file that cannot be read."""
-    from tandem.client.client import structured_output
-
-    given = {
-        name: values[name]
-        for name in ("json_schema", "regex", "choice", "grammar")
-        if values[name] not in (None, ())
-    }
-    if len(given) > 1:
-        raise click.UsageError(
-            f"give at most one of --json-schema, --regex, --choice, --grammar (got {len(given)})"
-        )
-    for name in ("json_schema", "grammar"):
-        if name in given:
-            try:
-                source = Path(given[name]).read_text()
-            except (OSError, UnicodeDecodeError) as error:
-                reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
-                raise click.BadParameter(
-                    f"{given[name]}: {reason}", param_hint=f"'--{name.replace('_', '-')}'"
-                ) from None
-            return structured_output(**{name: source})
-    if "regex" in given:
-        return structured_output(regex=given["regex"])
-    if "choice" in given:
-        return structured_output(choice=list(given["choice"]))
-    return None

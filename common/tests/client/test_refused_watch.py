@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.tests.client.replica import Replica
 from tandem.client.client import DecoderClient, EncoderClient
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2_grpc
-from tandem.common import server as server_module
+from tandem.common import running_server
 from tandem.common.health import MAX_WATCHES_PER_ADDRESS
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 
@@ -201,7 +201,7 @@ async def test_a_watching_client_loses_no_call_to_a_draining_replica(
     a watching channel's calls made back to back all through the drain are all served, those picked
     before it heard by the replica, the rest by the other. Stopping at once lost a call, CANCELLED,
     in 5-6 drains of 20. The notice is made a second here, so that a busy machine's loop has time."""
-    monkeypatch.setattr(server_module, "DRAIN_NOTICE_S", 1.0)
+    monkeypatch.setattr(running_server, "DRAIN_NOTICE_S", 1.0)
     _, servers = replicas
     async with DecoderClient(_balanced(servers)) as client:
         assert set(await _generated_by(client, 4)) == {"a", "b"}

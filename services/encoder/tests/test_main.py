@@ -27,7 +27,7 @@ from common.tests.signalled_process import signal_after_line
 from common.tests.sparse_checkpoint import write_sparse_table
 from services.encoder.tests.helpers import write_prompt_adapter, write_random_projector
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
-from tandem.common.server import DRAIN_NOTICE_S
+from tandem.common.running_server import DRAIN_NOTICE_S
 from tandem.encoder import __main__ as encoder_main
 from tandem.encoder.__main__ import CUT_S, drain
 from tandem.encoder.config import EncoderConfig

@@ -5,7 +5,7 @@ until the cut."""
 
 from __future__ import annotations
 
-from tandem.common.server import DRAIN_NOTICE_S
+from tandem.common.running_server import DRAIN_NOTICE_S
 from tandem.decoder.api.drain import CUT_S, drain
 
 

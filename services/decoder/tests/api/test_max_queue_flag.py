@@ -10,7 +10,7 @@ import pytest
 
 from tandem.client.errors import ConfigError
 from tandem.common.health import max_watches
-from tandem.common.server import DEFAULT_MAX_CONCURRENT_RPCS, MAX_CONCURRENT_RPCS_LIMIT, ServerOptions
+from tandem.common.server_options import DEFAULT_MAX_CONCURRENT_RPCS, MAX_CONCURRENT_RPCS_LIMIT, ServerOptions
 from tandem.decoder.api.main import config_from_args
 from tandem.decoder.api.main import main as decoder_main
 from tandem.decoder.config import (

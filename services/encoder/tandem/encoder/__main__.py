@@ -42,8 +42,10 @@ from tandem.common import replica_name
 from tandem.common.checkpoint import read_json
 from tandem.common.flags import CONTEXT_SETTINGS, flag_error, run
 from tandem.common.listening import check_port_free
-from tandem.common.server import RunningServer, notice_within, start_server, stop_on_signals
+from tandem.common.running_server import RunningServer, notice_within
+from tandem.common.server import start_server
 from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
+from tandem.common.stop_signals import stop_on_signals
 from tandem.common.torch_part.model_cache import resolve_model
 from tandem.common.vision_language import is_vision_language, text_config
 from tandem.encoder.config import EncoderConfig

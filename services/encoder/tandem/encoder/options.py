@@ -11,8 +11,9 @@ import click
 
 from tandem.client.errors import ConfigError
 from tandem.common.dtypes import COMPUTE_NAMES
-from tandem.common.flags import PATH, Setting, default_of, server_options, server_settings
+from tandem.common.flags import PATH, Setting, default_of
 from tandem.common.model_name import served_model_name
+from tandem.common.server_flags import server_options, server_settings
 from tandem.common.torch_part.model_cache import default_model_file, model_display_name
 from tandem.encoder.config import DEFAULT_PORT, EMBEDDERS, QUANTIZATIONS, EncoderConfig
 from tandem.encoder.embedder import Pooling

@@ -24,18 +24,18 @@ from tandem.client.auth import load_tokens
 from tandem.client.channel import ChannelSecurity
 from tandem.client.errors import ConfigError
 from tandem.client.telemetry import setup_telemetry
+from tandem.common.client_security_flags import client_security
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
     PATH,
     Setting,
-    client_security,
     default_of,
     flag_error,
     run,
 )
 from tandem.common.listening import PORT_TRIES, asyncio_plan, check_port_free, free_port_of
-from tandem.common.server import stop_on_signals
 from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
+from tandem.common.stop_signals import stop_on_signals
 from tandem.gateway.access_log import AccessLog
 from tandem.gateway.answer_metrics import observe_answer_bytes
 from tandem.gateway.app import FIRST_HEALTH_S, Gateway

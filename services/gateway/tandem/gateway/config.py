@@ -9,7 +9,7 @@ from tandem.client.channel import PLAINTEXT, ChannelSecurity, channel_target
 from tandem.client.errors import ConfigError
 from tandem.common.cpus import available_cpus
 from tandem.common.memory_limit import MemoryLimit, memory_limit
-from tandem.common.server import DEFAULT_GRACE_S
+from tandem.common.server_options import DEFAULT_GRACE_S
 from tandem.gateway.replica_addresses import name_of
 
 DEFAULT_PORT = 8000  # vLLM's and SGLang's OpenAI port

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from tandem.common.server import RunningServer, notice_within
+from tandem.common.running_server import RunningServer, notice_within
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import FinishReason
 

@@ -15,8 +15,9 @@ import click
 
 from tandem.client.errors import ConfigError
 from tandem.common.dtypes import COMPUTE_NAMES
-from tandem.common.flags import BOOL, PATH, SIZES, Setting, default_of, server_options, server_settings
+from tandem.common.flags import BOOL, PATH, SIZES, Setting, default_of
 from tandem.common.model_name import served_model_name
+from tandem.common.server_flags import server_options, server_settings
 from tandem.common.torch_part.model_cache import default_model_file, model_display_name
 from tandem.decoder.backends.backend import resolve
 from tandem.decoder.backends.cpu.kernel_options import CPU_KERNELS

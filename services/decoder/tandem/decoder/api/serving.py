@@ -27,8 +27,10 @@ import torch
 from tandem.client.errors import ConfigError
 from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
 from tandem.client.telemetry import Telemetry, setup_telemetry
-from tandem.common.server import RunningServer, Service, start_server, stop_on_signals
+from tandem.common.running_server import RunningServer
+from tandem.common.server import Service, start_server
 from tandem.common.startup_heap import freeze_startup_heap, thaw_startup_heap
+from tandem.common.stop_signals import stop_on_signals
 from tandem.decoder.api.drain import drain
 from tandem.decoder.api.encoder_parts import EncoderMismatch, EncoderParts
 from tandem.decoder.api.servicer import DecoderServicer
