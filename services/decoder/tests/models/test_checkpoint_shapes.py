@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from tandem.common.weight_shapes import expected_weights
-from tandem.decoder.models import checkpoint_shapes, loader
+from tandem.decoder.models import checkpoint_shapes, loader, safetensors_weights
 from tandem.decoder.models.checkpoint_shapes import MAX_NAMED_UNREAD, text_model_shape
 from tandem.decoder.models.loader import ModelLoadError, load_model
 from tandem.decoder.models.registry import MODEL_CLASSES
@@ -344,7 +344,7 @@ def test_a_file_replaced_while_its_tables_are_compared_is_compared_again(
     path = model_dir / "model.safetensors"
     differing = tmp_path / "differing.safetensors"
     save_file(load_file(path) | {"lm_head.weight": table + 1}, differing)
-    safe_open = loader.safe_open
+    safe_open = safetensors_weights.safe_open
 
     def replaced_once_open(*args: Any, **kwargs: Any) -> Any:
         handle = safe_open(*args, **kwargs)
@@ -352,9 +352,9 @@ def test_a_file_replaced_while_its_tables_are_compared_is_compared_again(
             differing.replace(path)  # a new file (another inode) at the path the open one came from
         return handle
 
-    monkeypatch.setattr(loader, "safe_open", replaced_once_open)
+    monkeypatch.setattr(safetensors_weights, "safe_open", replaced_once_open)
     loader.check_checkpoint(model_dir, "float32")  # the open file's head equals its table
-    monkeypatch.setattr(loader, "safe_open", safe_open)
+    monkeypatch.setattr(safetensors_weights, "safe_open", safe_open)
     with pytest.raises(ModelLoadError, match="weight lm_head.weight differs from model.embed_tokens.weight"):
         loader.check_checkpoint(model_dir, "float32")
 
@@ -380,14 +380,14 @@ def test_a_file_replaced_between_its_stamp_and_its_open_is_not_judged_by_the_ver
     the new one, compared again, since its path no longer stats as the stamp."""
     model_dir, path, differing = _tied_and_differing(checkpoints, tmp_path)
     loader.check_checkpoint(model_dir, "float32")  # the verdict "same" filed under the file's stamp
-    safe_open = loader.safe_open
+    safe_open = safetensors_weights.safe_open
 
     def replaced_before_open(*args: Any, **kwargs: Any) -> Any:
         if differing.exists():
             differing.replace(path)  # after the stamp, before the open
         return safe_open(*args, **kwargs)
 
-    monkeypatch.setattr(loader, "safe_open", replaced_before_open)
+    monkeypatch.setattr(safetensors_weights, "safe_open", replaced_before_open)
     with pytest.raises(ModelLoadError, match=DIFFERS):
         loader.check_checkpoint(model_dir, "float32")
 
@@ -402,14 +402,14 @@ def test_a_verdict_on_a_file_replaced_before_its_open_is_not_filed_under_the_old
     path.replace(same)
     differing.replace(path)
     stamped = checkpoint_shapes.FileStamp.of(path)
-    safe_open = loader.safe_open
+    safe_open = safetensors_weights.safe_open
 
     def replaced_before_open(*args: Any, **kwargs: Any) -> Any:
         if same.exists():
             same.replace(path)
         return safe_open(*args, **kwargs)
 
-    monkeypatch.setattr(loader, "safe_open", replaced_before_open)
+    monkeypatch.setattr(safetensors_weights, "safe_open", replaced_before_open)
     loader.check_checkpoint(model_dir, "float32")  # the file opened, `same`, is judged
     assert not [memo for memo in checkpoint_shapes._same_tables if stamped in (memo[0], memo[2])]
 
@@ -425,7 +425,7 @@ def test_a_symlink_flipped_around_the_open_is_judged_by_the_file_its_stamp_names
     same = tmp_path / "same.safetensors"
     path.replace(same)
     path.symlink_to(differing)
-    safe_open = loader.safe_open
+    safe_open = safetensors_weights.safe_open
 
     def flipped_around_open(*args: Any, **kwargs: Any) -> Any:
         path.unlink()
@@ -435,10 +435,10 @@ def test_a_symlink_flipped_around_the_open_is_judged_by_the_file_its_stamp_names
         path.symlink_to(differing)
         return handle
 
-    monkeypatch.setattr(loader, "safe_open", flipped_around_open)
+    monkeypatch.setattr(safetensors_weights, "safe_open", flipped_around_open)
     with pytest.raises(ModelLoadError, match=DIFFERS):
         loader.check_checkpoint(model_dir, "float32")
-    monkeypatch.setattr(loader, "safe_open", safe_open)
+    monkeypatch.setattr(safetensors_weights, "safe_open", safe_open)
     with pytest.raises(ModelLoadError, match=DIFFERS):
         loader.check_checkpoint(model_dir, "float32")
 

@@ -2,39 +2,19 @@
 
 from __future__ import annotations
 
-import json
-import logging
-import re
-import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from tandem.common.weight_shapes import expected_weights
 from tandem.decoder.models import loader
 from tandem.decoder.models.checkpoint_shapes import text_model_shape
 from tandem.decoder.models.loader import ModelLoadError, load_model
-from tandem.decoder.models.registry import MODEL_CLASSES
 
 from ..conftest import Checkpoint
-from .helpers import PagedRun
-
-
-def copy_of(checkpoint: Checkpoint, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(checkpoint.path, tmp_path / "model"))
-
-
-def edit_json(path: Path, **changes: Any) -> None:
-    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
-
-
-def edit_weights(model_dir: Path, edit: Any) -> None:
-    weights = load_file(model_dir / "model.safetensors")
-    edit(weights)
-    save_file(weights, model_dir / "model.safetensors")
+from .checkpoint_copies import copy_of, edit_json, edit_weights
 
 
 def test_weights_are_loaded_in_the_requested_dtype_with_nothing_left_on_meta(
@@ -83,33 +63,6 @@ def test_kv_cache_is_allocated_per_layer_in_the_model_dtype(checkpoints: dict[st
     assert all(t.count_nonzero() == 0 for t in caches[1:])
 
 
-def test_eos_ids_come_from_generation_config_then_config(
-    checkpoints: dict[str, Checkpoint], tmp_path: Path
-) -> None:
-    model_dir = copy_of(checkpoints["qwen3"], tmp_path)
-    edit_json(model_dir / "config.json", eos_token_id=5)
-    edit_json(model_dir / "generation_config.json", eos_token_id=[7, 8])
-    assert load_model(model_dir).config.eos_token_ids == (7, 8)
-    (model_dir / "generation_config.json").unlink()
-    assert load_model(model_dir).config.eos_token_ids == (5,)
-
-
-def test_sharded_checkpoint_loads_the_same_model(
-    checkpoints: dict[str, Checkpoint], hf_checkpoint_factory: Any
-) -> None:
-    sharded = hf_checkpoint_factory("llama3", max_shard_size="100KB")
-    assert len(json.loads((sharded.path / "model.safetensors.index.json").read_text())["weight_map"]) > 0
-    assert len(list(sharded.path.glob("model-*.safetensors"))) > 2
-    single = load_model(checkpoints["llama3"].path, dtype="float32").model
-    model = load_model(sharded.path, dtype="float32").model
-    assert all(
-        torch.equal(a, b)
-        for a, b in zip(model.state_dict().values(), single.state_dict().values(), strict=True)
-    )
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    assert torch.equal(PagedRun(model).step([(0, prompt)]), PagedRun(single).step([(0, prompt)]))
-
-
 def test_missing_directory(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_model(tmp_path / "nowhere")
@@ -120,33 +73,6 @@ def test_missing_file_is_named(checkpoints: dict[str, Checkpoint], tmp_path: Pat
     model_dir = copy_of(checkpoints["qwen3"], tmp_path)
     (model_dir / name).unlink()
     with pytest.raises(ModelLoadError, match=name):
-        load_model(model_dir)
-
-
-def test_missing_shard_is_named(hf_checkpoint_factory: Any) -> None:
-    sharded = hf_checkpoint_factory("qwen3", max_shard_size="100KB")
-    shard = sorted(sharded.path.glob("model-*.safetensors"))[-1]
-    shard.unlink()
-    with pytest.raises(ModelLoadError, match=shard.name):
-        load_model(sharded.path)
-
-
-def test_unsupported_architecture_is_named_with_the_supported_ones(
-    checkpoints: dict[str, Checkpoint], tmp_path: Path
-) -> None:
-    model_dir = copy_of(checkpoints["llama3"], tmp_path)
-    edit_json(model_dir / "config.json", architectures=["GPT2LMHeadModel"])
-    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel") as error:
-        load_model(model_dir)
-    assert all(name in str(error.value) for name in MODEL_CLASSES)
-
-
-def test_unsupported_rope_type_is_named(checkpoints: dict[str, Checkpoint], tmp_path: Path) -> None:
-    model_dir = copy_of(checkpoints["llama3"], tmp_path)
-    edit_json(
-        model_dir / "config.json", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
-    )
-    with pytest.raises(ModelLoadError, match="yarn"):
         load_model(model_dir)
 
 
@@ -322,115 +248,6 @@ def test_unsupported_dtype_lists_the_supported_ones(checkpoints: dict[str, Check
         load_model(checkpoints["qwen3"].path, dtype="int8")
 
 
-def test_tokenizer_larger_than_the_vocabulary_is_rejected(
-    checkpoints: dict[str, Checkpoint], tmp_path: Path
-) -> None:
-    model_dir = copy_of(checkpoints["qwen3"], tmp_path)
-    edit_json(model_dir / "config.json", vocab_size=512)
-    edit_weights(
-        model_dir, lambda w: w.update({"model.embed_tokens.weight": w["model.embed_tokens.weight"][:512]})
-    )
-    with pytest.raises(ModelLoadError, match="tokenizer.json has 1024 tokens"):
-        load_model(model_dir)
-
-
-def test_loading_logs_its_progress_and_a_summary(
-    checkpoint: Checkpoint, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A large checkpoint says how far it got every PROGRESS_INTERVAL_S; here every weight does."""
-    monkeypatch.setattr(loader, "PROGRESS_INTERVAL_S", 0.0)
-    with caplog.at_level(logging.INFO, logger=loader.__name__):
-        model = load_model(checkpoint.path, dtype="float32").model
-    lines = [r.getMessage() for r in caplog.records if r.name == loader.__name__]
-    num_weights = len(list(model.parameters()))
-    progress = [re.match(r"loading weights: (\d+)/(\d+) \((\d+)%", line) for line in lines[:-1]]
-    assert all(progress) and [int(m.group(1)) for m in progress] == list(range(1, num_weights))
-    assert {int(m.group(2)) for m in progress} == {num_weights}
-    num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert re.fullmatch(rf"loaded {num_weights} weights \({num_bytes / 1e9:.2f} GB\) in \d+\.\d s", lines[-1])
-
-
-def split_safetensors(path: Path) -> tuple[bytes, bytes]:
-    """(header JSON, tensor bytes) of a safetensors file: its first 8 bytes give the header's length."""
-    data = path.read_bytes()
-    length = int.from_bytes(data[:8], "little")
-    return data[8 : 8 + length], data[8 + length :]
-
-
-def with_header(header: bytes, body: bytes, length: int | None = None) -> bytes:
-    return (len(header) if length is None else length).to_bytes(8, "little") + header + body
-
-
-def overlapping_offsets(header: bytes, body: bytes) -> bytes:
-    meta = json.loads(header)
-    meta["model.norm.weight"]["data_offsets"] = meta["model.embed_tokens.weight"]["data_offsets"]
-    return with_header(json.dumps(meta).encode(), body)
-
-
-MALFORMED_FILES = {
-    "header length past the end": lambda h, b: with_header(h, b, length=1 << 40),
-    "header length 2^63": lambda h, b: with_header(h, b, length=1 << 63),
-    "header that is no JSON": lambda h, b: with_header(b"not json" + b" " * (len(h) - 8), b),
-    "header nested 100,000 deep": lambda h, b: with_header(b"[" * 100_000 + b"]" * 100_000, b),
-    "tensor bytes cut short": lambda h, b: with_header(h, b[:-1000]),
-    "overlapping offsets": overlapping_offsets,
-    "empty file": lambda h, b: b"",
-}
-
-
-@pytest.mark.parametrize("case", list(MALFORMED_FILES))
-def test_a_malformed_safetensors_file_is_named_before_the_server_listens(
-    checkpoints: dict[str, Checkpoint], tmp_path: Path, case: str
-) -> None:
-    """check_checkpoint (run before listening) parses every header; safetensors' own error, a bare
-    Exception, escaped the decoder's start-up as a traceback."""
-    model_dir = copy_of(checkpoints["qwen3"], tmp_path)
-    path = model_dir / "model.safetensors"
-    path.write_bytes(MALFORMED_FILES[case](*split_safetensors(path)))
-    with pytest.raises(ModelLoadError, match=rf"{re.escape(str(path))} is not a readable safetensors file"):
-        loader.check_checkpoint(model_dir)
-
-
-@pytest.mark.parametrize("name", ["/etc/passwd", "../elsewhere/model.safetensors", "sub/../../x.safetensors"])
-def test_an_index_naming_a_file_outside_the_directory_is_refused(
-    checkpoints: dict[str, Checkpoint], tmp_path: Path, name: str
-) -> None:
-    model_dir = copy_of(checkpoints["qwen3"], tmp_path)
-    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": name}}))
-    with pytest.raises(ModelLoadError, match=rf"file {re.escape(repr(name))} lies outside the checkpoint"):
-        loader.check_checkpoint(model_dir)
-
-
-@pytest.mark.parametrize("weight_map", [["model.safetensors"], {"w": 5}, "model.safetensors"])
-def test_an_index_whose_weight_map_is_not_names_to_files_is_refused(
-    checkpoints: dict[str, Checkpoint], tmp_path: Path, weight_map: Any
-) -> None:
-    model_dir = copy_of(checkpoints["qwen3"], tmp_path)
-    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    with pytest.raises(ModelLoadError, match="weight_map must map weight names to file names"):
-        loader.check_checkpoint(model_dir)
-
-
-def test_a_weight_in_two_shards_is_named_with_both(hf_checkpoint_factory: Any) -> None:
-    sharded = hf_checkpoint_factory("qwen3", max_shard_size="100KB")
-    first, second = sorted(sharded.path.glob("model-*.safetensors"))[:2]
-    name = "model.norm.weight"
-    for shard in (first, second):  # wherever the norm was, the first two shards now both hold it
-        save_file(load_file(shard) | {name: torch.ones(64)}, shard)
-    with pytest.raises(ModelLoadError, match=rf"weight {name} is in both {first.name} and {second.name}"):
-        loader.check_checkpoint(sharded.path)
-
-
-def test_weights_of_layers_past_num_hidden_layers_are_refused(
-    checkpoints: dict[str, Checkpoint], tmp_path: Path
-) -> None:
-    """A config that says fewer layers than the file holds served the first layers alone: noise."""
-    model_dir = copy_of(checkpoints["llama3"], tmp_path)
-    edit_json(model_dir / "config.json", num_hidden_layers=1)
-    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.\S+ is of layer 1, but config\.json's "):
-        loader.check_checkpoint(model_dir)
-
-
 @pytest.mark.parametrize("dtype", [torch.int32, torch.uint8, torch.float8_e4m3fn, torch.bool])
 def test_a_weight_stored_as_quantized_or_integer_data_is_refused(
     checkpoints: dict[str, Checkpoint], tmp_path: Path, dtype: torch.dtype
@@ -442,184 +259,3 @@ def test_a_weight_stored_as_quantized_or_integer_data_is_refused(
     edit_weights(model_dir, lambda w: w.update({name: w[name].to(dtype)}))
     with pytest.raises(ModelLoadError, match=rf"weight {name} is stored as \w+, not a type .* F32, F64\)"):
         loader.check_checkpoint(model_dir)
-
-
-@pytest.mark.parametrize(
-    ("name", "index", "value", "dtype", "message"),
-    [
-        (
-            "model.embed_tokens.weight",
-            (5, 3),
-            float("nan"),
-            "float32",
-            r"holds nan at \[5, 3\] in torch.float32$",
-        ),
-        # k_proj is fused after q_proj's 64 rows: the error names the checkpoint's tensor and row.
-        (
-            "model.layers.1.self_attn.k_proj.weight",
-            (3, 7),
-            float("-inf"),
-            "bfloat16",
-            r"holds -inf at \[3, 7\] in torch.bfloat16$",
-        ),
-        (
-            "model.norm.weight",
-            (2,),
-            3e38,
-            "float16",
-            r"holds inf at \[2\] in torch.float16 \(3e\+38 in the file\)",
-        ),
-    ],
-)
-def test_a_weight_that_is_not_finite_in_the_model_dtype_is_named(
-    checkpoints: dict[str, Checkpoint],
-    tmp_path: Path,
-    name: str,
-    index: tuple[int, ...],
-    value: float,
-    dtype: str,
-    message: str,
-) -> None:
-    """One NaN or Inf weight can make every logit NaN (each request then ends INTERNAL from a server
-    that said it was ready); a finite float32 value past float16's range is Inf once cast."""
-    model_dir = copy_of(checkpoints["llama3"], tmp_path)
-
-    def poison(weights: dict[str, torch.Tensor]) -> None:
-        weights[name][index] = value
-
-    edit_weights(model_dir, poison)
-    with pytest.raises(ModelLoadError, match=rf"weight {re.escape(name)} {message}"):
-        load_model(model_dir, dtype=dtype)
-
-
-@pytest.mark.parametrize(
-    ("architectures", "message"),
-    [
-        ("LlamaForCausalLM", "architectures must be a list of class names"),
-        ([{}], "architectures must be"),
-        # These raised in the vision-language test first (TypeError, KeyError): a traceback at start
-        (5, "architectures must be a list of class names"),
-        ({"a": 1}, "architectures must be a list of class names"),
-        ([["LlamaForCausalLM"]], "architectures must be a list of class names"),
-    ],
-)
-def test_architectures_that_are_not_a_list_of_names_are_refused(
-    checkpoints: dict[str, Checkpoint], tmp_path: Path, architectures: Any, message: str
-) -> None:
-    model_dir = copy_of(checkpoints["llama3"], tmp_path)
-    edit_json(model_dir / "config.json", architectures=architectures)
-    with pytest.raises(ModelLoadError, match=message):
-        loader.check_checkpoint(model_dir)
-
-
-def test_a_tokenizer_file_larger_than_the_limit_is_refused_from_its_size(
-    checkpoints: dict[str, Checkpoint], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A 1 GB tokenizer.json took 1.25 GB to parse before it was found wanting."""
-    model_dir = copy_of(checkpoints["qwen3"], tmp_path)
-    size = (model_dir / "tokenizer.json").stat().st_size
-    monkeypatch.setattr(loader, "MAX_TOKENIZER_BYTES", size - 1)
-    with pytest.raises(ModelLoadError, match=rf"tokenizer.json has {size:,} bytes, more than the limit of"):
-        loader.check_checkpoint(model_dir)
-
-
-def test_a_tokenizer_id_past_the_vocabulary_is_refused_though_the_count_fits(
-    checkpoints: dict[str, Checkpoint], tmp_path: Path
-) -> None:
-    """1,024 entries, one of them id 5000: a text holding it indexed the embedding table past its end."""
-    model_dir = copy_of(checkpoints["qwen3"], tmp_path)
-    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
-    vocab = tokenizer["model"]["vocab"]
-    token = next(t for t, i in vocab.items() if i == 300)
-    vocab[token] = 5000
-    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
-    said = f"{model_dir / 'tokenizer.json'} maps {token!r} to id 5000, past vocab_size 1024 in "
-    with pytest.raises(ModelLoadError, match=re.escape(f"{said}{model_dir / 'config.json'}")):
-        loader.check_checkpoint(model_dir)
-
-
-def test_a_vision_checkpoint_s_tokenizer_is_held_to_text_config_s_vocab_size_naming_both_files(
-    checkpoints: dict[str, Checkpoint], tmp_path: Path
-) -> None:
-    """The language model's table has text_config's rows; an outer vocab_size (older LLaVA configs carry
-    one) sizes nothing. The refusal said 'the model's vocab_size', naming neither file nor text_config."""
-    model_dir = copy_of(checkpoints["llama3"], tmp_path)
-    text = json.loads((model_dir / "config.json").read_text())  # its tokenizer.json has 1,024 tokens
-    llava = {"architectures": ["LlavaForConditionalGeneration"], "vocab_size": 1024}
-    text_config = {**text, "model_type": "llama", "vocab_size": 512}
-    (model_dir / "config.json").write_text(json.dumps({**llava, "text_config": text_config}))
-    said = (
-        f"{model_dir / 'tokenizer.json'} has 1024 tokens, more than text_config's vocab_size 512 in "
-        f"{model_dir / 'config.json'}"
-    )
-    with pytest.raises(ModelLoadError, match=re.escape(said)):
-        loader.check_checkpoint(model_dir)
-
-
-def test_shards_that_are_links_out_of_the_directory_load_as_in_a_hugging_face_cache(
-    hf_checkpoint_factory: Any, tmp_path: Path
-) -> None:
-    """A hub snapshot's files are symbolic links into ../../blobs: the index's names are judged as
-    written, so the files they lead to load."""
-    sharded = hf_checkpoint_factory("qwen3", max_shard_size="100KB")
-    blobs = tmp_path / "blobs"
-    blobs.mkdir()
-    for shard in sharded.path.glob("model-*.safetensors"):
-        shard.rename(blobs / shard.name)
-        shard.symlink_to(blobs / shard.name)
-    assert load_model(sharded.path, dtype="float32").config.num_layers == 2
-
-
-@pytest.mark.parametrize(
-    ("name", "content", "message"),
-    [
-        # json's message named no file; the start-up then ended after the server had listened.
-        ("tokenizer_config.json", b"{", r"tokenizer_config\.json is not valid JSON"),
-        # An AttributeError traceback from the chat template's loader.
-        (
-            "tokenizer_config.json",
-            b'{"chat_template": [1, 2]}',
-            r"chat_template must be a string or a list of",
-        ),
-        ("chat_template.json", b"[]", r"chat_template\.json must hold a JSON object"),
-        ("chat_template.jinja", b"\xff\xfe{{ x }}", r"chat_template\.jinja is not UTF-8 text"),
-        (
-            "chat_template.jinja",
-            b"x" * (64 * 1024 + 1),
-            r"chat_template\.jinja has 65,537 characters, more than 65,536",
-        ),
-    ],
-)
-def test_a_broken_chat_template_file_is_named_before_the_server_listens(
-    checkpoints: dict[str, Checkpoint], tmp_path: Path, name: str, content: bytes, message: str
-) -> None:
-    model_dir = copy_of(checkpoints["qwen3"], tmp_path)
-    (model_dir / name).write_bytes(content)
-    with pytest.raises(ModelLoadError, match=message):
-        loader.check_checkpoint(model_dir)
-
-
-@pytest.mark.parametrize(
-    ("content", "message"),
-    [(b"{bos_token: <s>}", r"is not valid JSON"), (b'{"bos_token": "\xff"}', r"is not UTF-8 text")],
-)
-def test_a_broken_special_tokens_map_is_named_before_the_server_listens_when_it_is_read(
-    checkpoints: dict[str, Checkpoint], tmp_path: Path, content: bytes, message: str
-) -> None:
-    # The template's special-token names come from it when tokenizer_config.json has no
-    # added_tokens_decoder (template_source.read_special_tokens); json's message named no file.
-    model_dir = copy_of(checkpoints["qwen3"], tmp_path)
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    (model_dir / "special_tokens_map.json").write_bytes(content)
-    with pytest.raises(ModelLoadError, match=r"special_tokens_map\.json " + message):
-        loader.check_checkpoint(model_dir)
-    # One with added_tokens_decoder does not read the file, as transformers does not.
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {}}))
-    loader.check_checkpoint(model_dir)
-
-
-def test_a_named_chat_template_list_is_accepted(checkpoints: dict[str, Checkpoint], tmp_path: Path) -> None:
-    model_dir = copy_of(checkpoints["qwen3"], tmp_path)
-    templates = [{"name": "default", "template": "{{ messages }}"}, {"name": "tool_use", "template": "x"}]
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": templates}))
-    loader.check_checkpoint(model_dir)
