@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 
 # ChannelSecurity, PLAINTEXT, channel_target and details_interceptors stay importable from here too:
-# the gateway and tandem.common.flags import them so.
+# the gateway and tandem.common.client_security_flags import them so.
 from .addresses import channel_target, dns_name
 from .auth import bearer_token
 from .call_details import details_interceptors

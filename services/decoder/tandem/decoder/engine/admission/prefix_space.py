@@ -20,7 +20,8 @@ import tokenizers
 
 @dataclass(frozen=True)
 class PrefixFree:
-    """A tokenizer and its literal copy (chat.literal_tokenizer), each with a twin without the prefix."""
+    """A tokenizer and its literal copy (special_literals.literal_tokenizer), each with a twin without
+    the prefix."""
 
     tokenizer: tokenizers.Tokenizer  # the model's
     literal: tokenizers.Tokenizer  # special-token literals as plain text: the caller's spliced text

@@ -4,8 +4,8 @@ check at start that it compiles.
 A checkpoint may hold its template in three places; the first that has one is used, as transformers
 reads them: `chat_template.jinja`, a processor's `chat_template.json` (its `chat_template`), and
 `tokenizer_config.json`'s `chat_template` (a string, or in the named form the template named
-"default"; a GGUF import writes both the .jinja file and this). models/loader.py has checked each
-file's shape before the decoder looks here.
+"default"; a GGUF import writes both the .jinja file and this). models/loader.py (through
+tokenizer_files.py) has checked each file's shape before the decoder looks here.
 
 The special-token names (`{{ bos_token }}`, `eos_token`, ...) are what transformers' apply_chat_template
 passes: each `*_token` key of tokenizer_config.json, a string or, as older checkpoints (Llama 2's,
