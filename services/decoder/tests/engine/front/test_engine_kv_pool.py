@@ -45,6 +45,12 @@ def test_a_pool_the_host_cannot_hold_is_refused_before_its_block_table_is_built(
         in (str(refused.value))
     )
     assert built == []
+    # The count is on the table's path: a pool the host holds builds its table through it, once.
+    monkeypatch.setattr(kv_pool, "memory_limit", lambda: MemoryLimit(1 << 40, None))
+    Engine(
+        EngineConfig(model_dir=tiny_model_dir, dtype="float32", num_kv_blocks=16), loaded=tiny_fp32
+    ).shutdown()
+    assert len(built) == 1
 
 
 def _held() -> set[object]:
