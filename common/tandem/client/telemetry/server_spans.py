@@ -130,8 +130,9 @@ class ServerSpans(grpc.aio.ServerInterceptor):
     def on_calls_cut(self) -> None:
         """The server's stop has run out of grace and cancels every call still running, each ending
         UNAVAILABLE for its caller ("Cancelling all calls"), a server error: without this they ended
-        CANCELLED with no error, as if their callers had left. `RunningServer.stop` (tandem.common.server)
-        calls it at that moment, not at the stop's start: a caller that leaves during the grace left.
+        CANCELLED with no error, as if their callers had left. `RunningServer.stop`
+        (tandem.common.running_server) calls it at that moment, not at the stop's start: a caller that
+        leaves during the grace left.
 
         Only the calls running now are marked: the interceptor outlives the server (one ServerOptions
         serves a server started again in the same process, as the reliability harness restarts its

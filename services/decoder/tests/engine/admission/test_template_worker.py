@@ -290,3 +290,13 @@ def test_close_leaves_no_child_process_or_thread() -> None:
     children = {child.pid for child in psutil.Process().children(recursive=True)}
     assert children.isdisjoint(p.pid for p in started)
     assert threading.active_count() == threads
+
+
+def test_the_worker_imports_no_torch_numpy_or_grpc() -> None:
+    """The worker runs under a 512 MiB address-space limit set before Jinja2 loads: its module (started
+    with -m) and the package it sits in must stay standard-library and Jinja2 only (about 21 MB at its
+    ready line). Nothing held it to that: torch alone reserves more than the limit."""
+    module = "tandem.decoder.engine.admission.template_worker_main"
+    code = f"import sys, {module}; print(sorted(m for m in ('torch', 'numpy', 'grpc') if m in sys.modules))"
+    found = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == "[]"

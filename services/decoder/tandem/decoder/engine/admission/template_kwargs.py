@@ -3,17 +3,18 @@ back out of the rendered text.
 
 Caller text stays plain text: whatever a template prints is its own text, whose special-token literals
 tokenize as control tokens, and templates print kwargs (Qwen3 `tools | tojson`, Llama 3.1
-`date_string`). A message's text is kept plain by being spliced in after rendering (chat.py), which a
-kwarg's string cannot be: the template may print it twice, not at all, or changed (`tojson` escapes
-it). So each string (a value at any depth, or a key) that could take part in a special-token literal
-in any case, as chat.py judges message text, reaches the template between a pair of markers holding a
-per-render nonce; whatever the template printed between a pair is that string as the template printed
-it, and becomes a plain-text part named by the string's field. Strings that cannot are passed as they
-are, so they tokenize as transformers' do. A template that cuts a marker (`x[30:]`, escaped markers)
-leaves the nonce outside a pair: the chat is refused naming the string's field, never tokenized. One
-that prints a piece with neither marker (`x[34:-35]`) leaves no nonce: chat.py tells it by a second
-render with each string at risk inert (`stand_in`, `TemplateKwargs.at_risk`). The template sees the
-markers: `x | length` counts them, and `x == '...'` is false.
+`date_string`). A message's text is kept plain by being spliced in after rendering
+(chat_placeholders.py), which a kwarg's string cannot be: the template may print it twice, not at all,
+or changed (`tojson` escapes it). So each string (a value at any depth, or a key) that could take part
+in a special-token literal in any case, as chat.py judges message text, reaches the template between a
+pair of markers holding a per-render nonce; whatever the template printed between a pair is that string
+as the template printed it, and becomes a plain-text part named by the string's field. Strings that
+cannot are passed as they are, so they tokenize as transformers' do. A template that cuts a marker
+(`x[30:]`, escaped markers) leaves the nonce outside a pair: the chat is refused naming the string's
+field, never tokenized. One that prints a piece with neither marker (`x[34:-35]`) leaves no nonce:
+chat.py tells it by a second render with each string at risk inert (`stand_in`,
+`TemplateKwargs.at_risk`). The template sees the markers: `x | length` counts them, and `x == '...'` is
+false.
 
 Size: the strings and keys hold at most MAX_KWARGS_CHARS in all (check_size, from check_spec), an OpenAI
 body's `documents` (a kwarg here) included; a refusal names `documents` where they hold the most.
