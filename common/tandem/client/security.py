@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .auth import read_token
-from .flag_files import TlsFile, TlsFileError, read_tls_files
+from .flag_files import TlsFile, TlsFileError, TlsFiles, read_tls_files
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,18 @@ class ChannelSecurity:
             files = read_tls_files(cert, key, ca)
         except TlsFileError as error:
             raise ValueError(f"cannot use {_CLIENT_FILES[error.file]}: {error}") from None
+        return cls.of(files, None if token_file is None else read_token(token_file), is_tls)
+
+    @classmethod
+    def of(cls, files: TlsFiles, token: str | None, is_tls: bool) -> ChannelSecurity:
+        """From files `read_tls_files` read and checked (here, and by the CLI's flags, which name their
+        own refusals), and a token."""
         return cls(
             is_tls=is_tls,
             root_certificates=files.ca_bundle,
             certificate_chain=files.certificate_chain,
             private_key=files.private_key,
-            token=None if token_file is None else read_token(token_file),
+            token=token,
         )
 
 

@@ -59,13 +59,7 @@ def client_security(values: Mapping[str, Any], prefix: str = "") -> ChannelSecur
             token = read_token(values[f"{prefix}auth_token_file"])
         except ValueError as error:
             raise ConfigError(f"{prefix}auth_token_file", f": {error}") from None
-    return ChannelSecurity(
-        is_tls=values[f"{prefix}tls"],
-        root_certificates=files.ca_bundle,
-        certificate_chain=files.certificate_chain,
-        private_key=files.private_key,
-        token=token,
-    )
+    return ChannelSecurity.of(files, token, values[f"{prefix}tls"])
 
 
 # The value each of a client's TLS files comes from, for a refusal.
