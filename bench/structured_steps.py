@@ -174,7 +174,7 @@ def compare_fills(constraints, par_threads: int) -> tuple[float, float, bool]:
     import llguidance
     import llguidance.numpy as llnp
 
-    matchers = [c._matcher._matcher for c in constraints]  # llguidance's own, inside its MeteredMatcher
+    matchers = [c.metered._matcher for c in constraints]  # llguidance's own, inside its MeteredMatcher
     vocab = constraints[0].vocab_size
     executor = llguidance.LLExecutor(par_threads)
     serial_times, par_times, same = [], [], True

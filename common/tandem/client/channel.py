@@ -1,9 +1,9 @@
 """A client's channel to either service: size limits, keepalive, retries of idempotent calls, TLS, token.
 
 The message-size cap is the same number on both sides: `DEFAULT_MAX_MESSAGE_BYTES` unless configured,
-and a server's options (`server.py`) use it too. Idempotent unary calls (Embed, Tokenize, GetModelInfo,
-health Check) are retried by gRPC itself when they end UNAVAILABLE (a server restarting, a connection
-reset): `service_config`, with throttling so that a dead server does not get a retry storm.
+and a server's options (`server_options.py`) use it too. Idempotent unary calls (Embed, Tokenize,
+GetModelInfo, health Check) are retried by gRPC itself when they end UNAVAILABLE (a server restarting,
+a connection reset): `service_config`, with throttling so that a dead server does not get a retry storm.
 Generate is retried the same way only until its call is committed: gRPC stops retrying once the
 server's first response (the `accepted` event) arrives, so a stream that has begun is never replayed,
 while one that no server took (a replica killed as the call went out, a server loading or draining)

@@ -140,11 +140,11 @@ class Gateway:
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while a decoder replica serves and gets calls, as the gateway's watch of each has seen
-        (`replicas.py`; one address is one replica, a `dns:` name the replicas it resolves to), with
-        the counts serving and watched. Asked live by Check, a single decoder that accepted connections
-        and said nothing held every probe for the Check's 2 s. Counted by the rule the calls go by
-        (`Replicas.called`): counting only replicas whose model was checked, it said 503 while calls
-        went through at a cold start, before any model was asked."""
+        (`replicas.py`; `replica_addresses.py`: one address is one replica, a `dns:` name the replicas it
+        resolves to), with the counts serving and watched. Asked live by Check, a single decoder that
+        accepted connections and said nothing held every probe for the Check's 2 s. Counted by the rule the
+        calls go by (`Replicas.called`): counting only replicas whose model was checked, it said 503 while
+        calls went through at a cold start, before any model was asked."""
         replicas = self.callers.replicas
         serving = bool(replicas.called)
         body: dict[str, Any] = {"status": "ok" if serving else "unavailable"}

@@ -23,6 +23,7 @@ from tandem.decoder.backends.backend import resolve
 from tandem.decoder.backends.cpu.kernel_options import CPU_KERNELS
 from tandem.decoder.config import (
     DEFAULT_PORT,
+    MAX_LORA_LIMITS,
     QUANTIZATIONS,
     QUANTIZED_ACTIVATIONS,
     DecoderConfig,
@@ -250,8 +251,16 @@ def settings() -> list[Setting]:
             type=click.Path(),  # a str: an empty value is refused (as a Path it is the working directory)
             show_default="none: LoadAdapter is refused, only --lora adapters are served",
         ),
-        _engine_setting("--max-loras", "LoRA: most adapters loaded at once (slots), 1-256", type=int),
-        _engine_setting("--max-lora-rank", "LoRA: highest adapter rank (r) a slot holds, 1-512", type=int),
+        _engine_setting(
+            "--max-loras",
+            f"LoRA: most adapters loaded at once (slots), 1-{MAX_LORA_LIMITS['max_loras']}",
+            type=int,
+        ),
+        _engine_setting(
+            "--max-lora-rank",
+            f"LoRA: highest adapter rank (r) a slot holds, 1-{MAX_LORA_LIMITS['max_lora_rank']}",
+            type=int,
+        ),
         Setting(
             ENV_PREFIX,
             "--world-size",

@@ -92,7 +92,7 @@ class Request:
     num_speculative_tokens: int = 0
     # Who sent it: callers share the batch fairly (scheduling/admission_order.py); "" = anonymous.
     caller: str = ""
-    # Structured output: the grammar's state (structured.Constraint); None: unconstrained.
+    # Structured output: the grammar's state (sampling/constraint.py's Constraint); None: unconstrained.
     constraint: Any = None
     # The LoRA adapter it names ("" = the base model); its slot and cache salt are set when it is
     # admitted (step/core.py, scheduling/adapters.py): -1 and b"" for the base model.

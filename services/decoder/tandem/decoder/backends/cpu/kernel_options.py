@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 AUTO = "auto"
+TILES = "amx"  # the amx build's AMX tiles; the amx build also runs "avx512bf16" (VDPBF16PS)
 # --cpu-kernels: auto, or one build's kernel for every call (the builds of every architecture).
-CPU_KERNELS = (AUTO, "x86_64", "avx2", "avx512", "avx512bf16", "amx", "aarch64", "generic")
+CPU_KERNELS = (AUTO, "x86_64", "avx2", "avx512", "avx512bf16", TILES, "aarch64", "generic")
 
 
 @dataclass(frozen=True)

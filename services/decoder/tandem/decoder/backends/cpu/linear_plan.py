@@ -11,10 +11,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from tandem.decoder.backends.cpu.kernel_options import KernelOptions
+from tandem.decoder.backends.cpu.kernel_options import TILES, KernelOptions
 
 ONEDNN = "onednn"  # oneDNN's packed bf16 linear: a prefill-only candidate
-TILES = "amx"  # the amx build's AMX tiles; the amx build also runs "avx512bf16" (VDPBF16PS)
 MARGIN = 1.05  # a kernel replaces the default only when this much faster (geometric mean)
 # A prefill-only kernel must pay for more: a step mixing decode rows with a chunk is then split, and
 # the decode rows' sub-step reads every weight a second time.
