@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from common.tests.ports import free_port
 from tandem import cli
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, tensor_pb2
 from tandem.common.torch_part import tensors
@@ -193,9 +193,7 @@ def test_a_value_the_decoder_refuses_is_one_line_naming_the_flag(services: Servi
 
 def test_an_unreachable_server_names_the_flag_of_its_address(services: Services, capsys, environ) -> None:
     # The encoder down used to blame `--part`.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens once it is closed
+    closed = f"127.0.0.1:{free_port()}"  # below the ephemeral range (ports.py)
     argv = ["generate", "--address", services.decoder_server.address, "--encoder-address", closed]
     err = _one_line_error(capsys, [*argv, "--part", "embed: the quiet harbour"], 1)
     assert err.startswith(
@@ -233,9 +231,7 @@ def test_trace_without_an_exporter_says_nothing_is_recorded_and_how_to_record(
 
 def test_an_unreachable_collector_is_one_line_after_the_answer(services: Services, capsys, environ) -> None:
     # It was four exporter messages over 16 s of retries.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]
+    closed = free_port()  # below the ephemeral range (ports.py)
     environ({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{closed}"})
     argv = ["generate", "--address", services.decoder_server.address, "--prompt", "hi", "--max-tokens", "2"]
     assert cli.main(argv) == 0

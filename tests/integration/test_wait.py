@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import http.server
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from common.tests.ports import free_port
 from tandem import cli
 from tandem.decoder.models.loader import LoadedModel
 from tests.integration.reliability.harness import Services
@@ -42,9 +42,7 @@ def http_health() -> Iterator[str]:
 
 
 def _closed_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"  # below the ephemeral range (ports.py)
 
 
 def test_wait_returns_once_every_target_serves(services: Services, http_health: str, capsys) -> None:

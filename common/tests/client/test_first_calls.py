@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.tests.client.pem_files import localhost_pki
 from common.tests.client.replica import Replica, serve_decoder
+from common.tests.ports import free_port
 from tandem.client.channel import open_channel
 from tandem.client.first_calls import FirstCallsGate, health_probe, num_checks
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
@@ -45,10 +46,9 @@ async def servers() -> AsyncIterator[list[RunningServer]]:
 
 
 def _refused_address() -> str:
-    """A loopback port nothing listens on: a connection to it is refused at once."""
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{free.getsockname()[1]}"
+    """A loopback port nothing listens on: a connection to it is refused at once. Of this worker's slice,
+    below the ephemeral range, where no connection or server of another worker lands meanwhile."""
+    return f"127.0.0.1:{free_port()}"
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import aiohttp
 import openai
 import pytest
 
+from common.tests.ports import free_port
 from tandem.common.server import ServerOptions
 from tandem.decoder.models.loader import LoadedModel
 from tandem.gateway.config import GatewayConfig
@@ -119,11 +120,7 @@ async def test_a_body_over_the_limit_is_413_and_malformed_json_is_400(
 
 
 async def test_a_decoder_that_is_down_is_503_and_health_says_so(tmp_path: Path) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    dead = f"127.0.0.1:{free_port()}"  # below the ephemeral range (ports.py)
     task, port = await start_gateway(GatewayConfig(decoder_address=dead, port=0))
     try:
         async with aiohttp.ClientSession() as session:

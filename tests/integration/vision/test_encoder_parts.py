@@ -14,6 +14,7 @@ import grpc
 import pytest
 import torch
 
+from common.tests.ports import free_port
 from services.encoder.tests.vision_checkpoints import make_image
 from tandem.client.client import EncoderPart
 from tandem.decoder.api.encoder_parts import EncoderParts
@@ -166,16 +167,13 @@ async def test_the_gateways_image_url_goes_to_the_decoders_encoder_never_through
     split: Split, handoff: Handoff, pictures: dict[str, Path]
 ) -> None:
     import base64
-    import socket
 
     import openai
 
     from tandem.gateway.config import GatewayConfig
     from tests.integration.gateway.conftest import start_gateway, stop_gateway
 
-    with socket.socket() as sock:  # the gateway's own encoder address leads nowhere: it is not used
-        sock.bind(("127.0.0.1", 0))
-        nowhere = f"127.0.0.1:{sock.getsockname()[1]}"
+    nowhere = f"127.0.0.1:{free_port()}"  # the gateway's own encoder address leads nowhere: it is not used
     picture = pictures["landscape.png"]
     expected, _, _ = await _chat(
         split.decoder, [await split.images.embed_image(picture.read_bytes()), QUESTION]
