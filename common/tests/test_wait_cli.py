@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from common.tests.client.pem_files import memfd_refused, self_signed
 from tandem import cli
 
 
@@ -133,17 +136,8 @@ def test_a_key_that_cannot_be_checked_here_names_the_flag_and_tmpdir(
 ) -> None:
     """memfd refused (a seccomp filter) and no temporary folder to be had (a read-only /tmp): the key
     check was a FileNotFoundError traceback, exit 1."""
-    import errno
-    import os
-    import tempfile
-
-    from common.tests.client.pem_files import self_signed
-
-    def refused(name: str, flags: int = 0) -> int:
-        raise PermissionError(errno.EPERM, "Operation not permitted")
-
     chain, key = self_signed(tmp_path, "client")
-    monkeypatch.setattr(os, "memfd_create", refused)
+    monkeypatch.setattr(os, "memfd_create", memfd_refused)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))
     assert cli.main(["wait", "--tls-cert", str(chain), "--tls-key", str(key), "127.0.0.1:1"]) == 2
     err = capsys.readouterr().err

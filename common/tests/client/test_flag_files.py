@@ -4,7 +4,6 @@ with it."""
 
 from __future__ import annotations
 
-import errno
 import os
 import tempfile
 from pathlib import Path
@@ -18,7 +17,7 @@ from cryptography.hazmat.primitives.serialization import (
     PrivateFormat,
 )
 
-from common.tests.client.pem_files import self_signed
+from common.tests.client.pem_files import memfd_refused, self_signed
 from tandem.client.flag_files import (
     MAX_PEM_FILE_BYTES,
     TlsFile,
@@ -210,10 +209,6 @@ def test_an_encrypted_key_is_refused_without_asking_for_its_password(tmp_path: P
     assert refused.value.file is TlsFile.PRIVATE_KEY
 
 
-def _memfd_refused(name: str, flags: int = 0) -> int:
-    raise PermissionError(errno.EPERM, "Operation not permitted")
-
-
 def _without_memfd(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     """The key check's memory as a system may withhold it: no memfd_create (not Linux), one a seccomp
     filter refuses (EPERM), or one whose /proc/self/fd path names nothing (/proc not mounted: a chroot,
@@ -221,7 +216,7 @@ def _without_memfd(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     if how == "no memfd":
         monkeypatch.delattr(os, "memfd_create")
     elif how == "memfd refused":
-        monkeypatch.setattr(os, "memfd_create", _memfd_refused)
+        monkeypatch.setattr(os, "memfd_create", memfd_refused)
     else:
         exists = os.path.exists
         monkeypatch.setattr(
