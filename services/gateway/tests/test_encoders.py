@@ -75,8 +75,17 @@ async def test_an_encoder_replica_of_another_embedder_gets_no_embeds_logged_nami
     assert f"encoder replica {addresses[2]} embeds for model 'fake-encoder' with a 'projector'" in caplog.text
 
 
-async def test_a_name_a_dns_server_resolves_is_one_client_as_before() -> None:
-    encoder = gateway_encoder(GatewayConfig(encoder_address="dns://127.0.0.1:53/encoders.example:50051"))
+@pytest.mark.parametrize(
+    "address",
+    [
+        "dns://127.0.0.1:53/encoders.example:50051",
+        # Spaced, as the config's check (`channel_target`) takes it: read by prefix, it was watched as
+        # replicas of a name never looked up (the resolver task died on an AssertionError at start).
+        " dns://127.0.0.1:53/encoders.example:50051 ",
+    ],
+)
+async def test_a_name_a_dns_server_resolves_is_one_client_as_before(address: str) -> None:
+    encoder = gateway_encoder(GatewayConfig(encoder_address=address))
     try:
         assert isinstance(encoder, EncoderClient)
     finally:

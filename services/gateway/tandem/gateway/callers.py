@@ -41,7 +41,7 @@ from tandem.client.channel import open_channel
 from tandem.client.errors import Unavailable
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
 from tandem.gateway.config import GatewayConfig
-from tandem.gateway.replica_addresses import name_of
+from tandem.gateway.replica_addresses import name_of, names_one_server
 from tandem.gateway.replica_channel import open_replica_channel
 from tandem.gateway.replica_model import ReplicaModel
 from tandem.gateway.replicas import Replicas
@@ -160,7 +160,7 @@ def decoder_channels(
         return open_replica_channel(replica, config.max_message_bytes, config.upstream, authority=authority)
 
     def open_caller_channel(targets: tuple[str, ...]) -> grpc.aio.Channel:
-        if len(targets) == 1 and not targets[0].startswith("dns:"):  # one replica: its keepalive too
+        if len(targets) == 1 and names_one_server(targets[0]):  # one replica: its keepalive too
             return open_replica_channel(
                 targets[0],
                 config.max_message_bytes,

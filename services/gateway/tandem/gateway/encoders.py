@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
-from tandem.client.channel import channel_target, open_channel
+from tandem.client.channel import open_channel
 from tandem.client.client import EncoderClient
 from tandem.client.errors import Unavailable
 from tandem.client.pb.tandem.v1 import encoder_pb2, encoder_pb2_grpc
 from tandem.gateway.config import GatewayConfig
 from tandem.gateway.encoder_info import Answering
-from tandem.gateway.replica_addresses import name_of
+from tandem.gateway.replica_addresses import name_of, names_one_server
 from tandem.gateway.replica_channel import open_replica_channel
 from tandem.gateway.replica_model import ReplicaModel
 from tandem.gateway.replicas import Replicas
@@ -160,20 +160,16 @@ def gateway_encoder(
     try:
         authority = name_of(address)  # replicas found from a name still go by it (TLS)
     except ValueError:  # dns://server/name: a DNS server the gateway's resolver does not ask
-        is_watched = False
-    else:
-        is_watched = channel_target(address)[1]
-    interceptors = telemetry.client_interceptors() if telemetry is not None else []
-    if not is_watched and not address.startswith("dns:"):
-        return OneEncoder(open_replica_channel(address, config.max_message_bytes, security, interceptors))
-    if not is_watched:
         return EncoderClient(address, config.max_message_bytes, telemetry, security)
+    interceptors = telemetry.client_interceptors() if telemetry is not None else []
+    if names_one_server(address):
+        return OneEncoder(open_replica_channel(address, config.max_message_bytes, security, interceptors))
 
     def open_replica(replica: str) -> grpc.aio.Channel:
         return open_replica_channel(replica, config.max_message_bytes, security, authority=authority)
 
     def open_balanced(targets: tuple[str, ...]) -> grpc.aio.Channel:
-        if len(targets) == 1 and not targets[0].startswith("dns:"):  # one replica left: its keepalive too
+        if len(targets) == 1 and names_one_server(targets[0]):  # one replica left: its keepalive too
             return open_replica_channel(
                 targets[0],
                 config.max_message_bytes,

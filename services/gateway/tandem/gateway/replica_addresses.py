@@ -15,7 +15,7 @@ def static_replicas(address: str) -> tuple[str, ...] | None:
     """The replicas of a list of addresses, each "ip:port" (host names resolved once, as the clients
     do); None for a `dns:` name (`name_of`). Raises ValueError for an address it cannot use."""
     target, _ = channel_target(address)
-    if target.startswith("dns:"):
+    if dns_name(target) is not None:
         return None
     scheme, _, servers = target.partition(":")
     return tuple(servers.split(",")) if scheme in ("ipv4", "ipv6") else (target,)
@@ -26,6 +26,7 @@ def name_of(address: str) -> str | None:
     `dns:///host:port`, the port 443 where none is written; None for another address. Raises
     ValueError for `dns://server/host:port`, which names a DNS server to ask: the gateway looks
     replicas up with the system's resolver, and would watch other replicas than the name's."""
+    address = address.strip()  # as `channel_target` reads one address: " dns:///x:1" is a name
     name = dns_name(address)
     if name is None:
         return None
@@ -35,6 +36,14 @@ def name_of(address: str) -> str | None:
             f"with the system's resolver: write dns:///{address.removeprefix('dns://').partition('/')[2]}"
         )
     return name.host_port
+
+
+def names_one_server(address: str) -> bool:
+    """Whether `address` (configured, or one of `Replicas.targets`) is one server, which a channel
+    reaches with the replicas' keepalive, rather than several, balanced: a list, or a `dns:` name in any
+    form `channel_target` reads (the reading every other part of the gateway uses). Raises ValueError
+    for an address it cannot use."""
+    return not channel_target(address)[1]
 
 
 async def resolve_name(name: str) -> tuple[str, ...]:
