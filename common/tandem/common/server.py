@@ -57,6 +57,17 @@ from tandem.common.running_server import CutListener, RunningServer
 from tandem.common.server_options import DEFAULT_MAX_CONCURRENT_RPCS, INT32_MAX, ServerOptions
 from tandem.common.server_tls import TlsOptions
 
+# What a service's main imports from here: what this module defines (Service, start_server) and, from
+# their own modules, the options it starts from and the server it hands back, so one import serves.
+__all__ = [
+    "DEFAULT_MAX_CONCURRENT_RPCS",
+    "RunningServer",
+    "ServerOptions",
+    "Service",
+    "TlsOptions",
+    "start_server",
+]
+
 log = logging.getLogger(__name__)
 
 
