@@ -109,6 +109,19 @@ COLOUR_PALETTE = COLOUR.reshape(-1, 3)  # [256, 3]: index v is COLOUR's pixel v
 
 CASES = [
     Case("png-1-bit", lambda: _saved(Image.fromarray(RAMP >= 128), "PNG"), "1", _grey((RAMP >= 128) * 255)),
+    # A 1-bit key is a sample, 0 or 1: its pixels black or white, the white ones white on white anyway.
+    Case(
+        "png-1-bit-transparent-black",
+        lambda: _png((RAMP >= 128)[:, :, None], 0, 1, transparent=(0,)),
+        "1",
+        _grey(np.full((SIDE, SIDE), WHITE)),
+    ),
+    Case(
+        "png-1-bit-transparent-white",
+        lambda: _png((RAMP >= 128)[:, :, None], 0, 1, transparent=(1,)),
+        "1",
+        _grey((RAMP >= 128) * 255),
+    ),
     Case("png-2-bit", lambda: _png(RAMP[:, :, None] >> 6, 0, 2), "L", _grey((RAMP >> 6) * 85)),
     Case("png-4-bit", lambda: _png(RAMP[:, :, None] >> 4, 0, 4), "L", _grey((RAMP >> 4) * 17)),
     # PIL widens these samples to 8 bits but not the key: the transparent grey showed opaque.
