@@ -122,6 +122,13 @@ CASES = [
         "1",
         _grey((RAMP >= 128) * 255),
     ),
+    # Only a key's low bit counts (the spec; libpng): 2 is black, which PIL, seeing it nonzero, read as white.
+    Case(
+        "png-1-bit-transparent-out-of-range",
+        lambda: _png((RAMP >= 128)[:, :, None], 0, 1, transparent=(2,)),
+        "1",
+        _grey(np.full((SIDE, SIDE), WHITE)),
+    ),
     Case("png-2-bit", lambda: _png(RAMP[:, :, None] >> 6, 0, 2), "L", _grey((RAMP >> 6) * 85)),
     Case("png-4-bit", lambda: _png(RAMP[:, :, None] >> 4, 0, 4), "L", _grey((RAMP >> 4) * 17)),
     # PIL widens these samples to 8 bits but not the key: the transparent grey showed opaque.

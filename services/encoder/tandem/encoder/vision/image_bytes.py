@@ -161,6 +161,7 @@ def decode_image(
     image_format = check_image_bytes(data, max_bytes, field)
     late_exif = None  # a PNG's eXIf chunk after its pixels, which PIL reads only with them
     png_bit_depth = None  # a PNG's bits a sample, from its IHDR
+    png_grey_key = None  # a PNG's tRNS grey sample as written
     if image_format == "JPEG":
         jpeg = jpeg_segments(data)
         if jpeg.num_scans > MAX_JPEG_SCANS:
@@ -190,6 +191,7 @@ def decode_image(
             raise InvalidArgument(field, f"a PNG must begin with its one IHDR chunk (the PNG spec); {found}")
         late_exif = png.exif
         png_bit_depth = png.bit_depth
+        png_grey_key = png.grey_key
         if png.size is not None and 0 in png.size:  # PIL refuses it as "not a PNG": say what it is
             raise InvalidArgument(field, f"has no pixels ({png.size[0]} x {png.size[1]})")
         if png.metadata:
@@ -219,7 +221,7 @@ def decode_image(
         image.load()
         if png_bit_depth is not None:
             _check_palette_transparency(image, field)
-            _match_transparent_colour(image, png_bit_depth)
+            _match_transparent_colour(image, png_bit_depth, png_grey_key)
         if orientation in _UPRIGHT:
             image = image.transpose(_UPRIGHT[orientation])
     except InvalidArgument:
@@ -291,16 +293,19 @@ def _check_palette_transparency(image: Image.Image, field: str) -> None:
         )
 
 
-def _match_transparent_colour(image: Image.Image, bit_depth: int) -> None:
+def _match_transparent_colour(image: Image.Image, bit_depth: int, grey_key: int | None = None) -> None:
     """A PNG's transparent colour (its tRNS chunk) put on the scale of the pixels PIL decoded. PIL keeps
     the file's sample values but widens a 2- or 4-bit grey picture's samples to 8 bits (x 85, x 17) and
     narrows a 16-bit RGB one's to their high bytes, then compares the key unscaled: a 4-bit grey key of
     3 (8-bit 51) matched no pixel, so the transparent grey showed opaque, and a 16-bit RGB key's low
     bytes matched whichever colour had them as high bytes, turning an unrelated colour white. 16-bit
     samples are gone once decoded, so a 16-bit key matches the colours that share its high bytes (each
-    sample within 1/256 of it). The spec reads a key's low bit_depth bits alone."""
+    sample within 1/256 of it). The spec reads a key's low bit_depth bits alone, as libpng does: a 1-bit
+    key of 2 is black there, where PIL, seeing it nonzero, made it white (`grey_key`, the file's own)."""
     key = image.info.get("transparency")
-    if image.mode == "L" and isinstance(key, int) and bit_depth in (2, 4, 8):
+    if image.mode == "1" and isinstance(key, int) and bit_depth == 1 and grey_key is not None:
+        image.info["transparency"] = (grey_key & 1) * 255
+    elif image.mode == "L" and isinstance(key, int) and bit_depth in (2, 4, 8):
         most = (1 << bit_depth) - 1
         image.info["transparency"] = (key & most) * (255 // most)
     elif image.mode == "RGB" and isinstance(key, tuple) and bit_depth == 16:
@@ -393,6 +398,9 @@ class PngChunks:
     # PIL refuses the whole picture when one inflates past its MAX_TEXT_CHUNK (1 MB), even one after
     # the pixels; cut, none is inflated at all.
     metadata: tuple[tuple[int, int], ...] = ()
+    # Its last 2-byte tRNS payload, a grey picture's transparent sample as the file spells it (PIL keeps
+    # the last too); None without one. PIL reads a 1-bit key as 0 or 255 and loses the bits libpng reads.
+    grey_key: int | None = None
 
 
 def png_chunks(data: bytes) -> PngChunks:
@@ -401,7 +409,7 @@ def png_chunks(data: bytes) -> PngChunks:
     chunks = profiles = headers = 0
     exif: tuple[int, int] | None = None  # where the last eXIf's payload starts and ends
     metadata: list[tuple[int, int]] = []
-    size = bit_depth = None
+    size = bit_depth = grey_key = None
     if data[12:16] == b"IHDR" and len(data) >= 24:
         size = (int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big"))
         bit_depth = data[24] if len(data) > 24 else None
@@ -416,6 +424,8 @@ def png_chunks(data: bytes) -> PngChunks:
         headers += kind == b"IHDR"
         if kind == b"eXIf":
             exif = (i + 8, i + 8 + length)
+        if kind == b"tRNS" and length == 2 and i + 10 <= len(data):
+            grey_key = int.from_bytes(data[i + 8 : i + 10], "big")
         if kind in (b"zTXt", b"iTXt", b"iCCP") and i + 12 + length <= len(data):
             metadata.append((i, i + 12 + length))
         i += 12 + length
@@ -427,6 +437,7 @@ def png_chunks(data: bytes) -> PngChunks:
         bit_depth,
         headers,
         tuple(metadata),
+        grey_key,
     )
 
 
