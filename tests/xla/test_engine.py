@@ -17,7 +17,7 @@ from tandem.decoder.backends.xla import runtime
 from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.engine.outputs.outputs import Delta, Event, Failed, Finished
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
-from tandem.decoder.engine.scheduling.scheduler import StepPlan
+from tandem.decoder.engine.scheduling.step_plan import StepPlan
 from tandem.decoder.engine.step.runner import StepOutput
 from tandem.decoder.engine.step.xla_runner import XlaRunner
 from tests.xla.helpers import engine_on, greedy, settings, table_rows

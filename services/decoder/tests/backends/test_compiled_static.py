@@ -162,7 +162,7 @@ def test_a_decode_shaped_step_that_scores_a_prompt_position_runs_eagerly(compile
     # One position of a prompt that scores itself: a decode bucket's shape (1 token, 1 sequence), but
     # one logits row more than the bucket was compiled for. It must not ask for a graph after warmup.
     from tandem.decoder.engine.request import Request, TokenSegment
-    from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest, StepPlan
+    from tandem.decoder.engine.scheduling.step_plan import ScheduledRequest, StepPlan
 
     core = compiled_engine.core
     request = Request.from_segments("scoring", [TokenSegment([5, 6, 7])], SamplingParams(prompt_logprobs=2))

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from tandem.decoder.engine.params import StoppingParams
 from tandem.decoder.engine.request import EmbeddingSegment, Request, RequestStatus, Segment, TokenSegment
 from tandem.decoder.engine.sampling.prompt_lookup import verified_tokens
-from tandem.decoder.engine.scheduling.scheduler import Scheduler, StepPlan
+from tandem.decoder.engine.scheduling.scheduler import Scheduler
+from tandem.decoder.engine.scheduling.step_plan import StepPlan
 
 VOCAB_SIZE = 50
 

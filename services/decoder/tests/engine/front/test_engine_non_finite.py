@@ -24,7 +24,7 @@ from tandem.decoder.engine.admission.prompt import GenerateSpec
 from tandem.decoder.engine.front.engine import Engine
 from tandem.decoder.engine.outputs.outputs import Event, Failed
 from tandem.decoder.engine.params import SamplingParams, StoppingParams, StructuredOutput
-from tandem.decoder.engine.scheduling.scheduler import StepPlan
+from tandem.decoder.engine.scheduling.step_plan import StepPlan
 from tandem.decoder.engine.step.runner import StepOutput
 from tandem.decoder.models.loader import LoadedModel
 

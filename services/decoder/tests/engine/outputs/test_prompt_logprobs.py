@@ -27,7 +27,7 @@ from tandem.decoder.engine.outputs.prompt_logprobs import (
 )
 from tandem.decoder.engine.params import MAX_TOP_LOGPROBS, ParamError, SamplingParams, StoppingParams
 from tandem.decoder.engine.request import Request, TokenSegment
-from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest, StepPlan
+from tandem.decoder.engine.scheduling.step_plan import ScheduledRequest, StepPlan
 from tandem.decoder.engine.step.batch import BatchTensors, pack
 from tandem.decoder.engine.step.static_shapes import StaticShapes, pad_to_buckets
 from tandem.decoder.models.loader import LoadedModel

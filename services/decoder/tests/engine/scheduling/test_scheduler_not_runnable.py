@@ -12,7 +12,8 @@ from services.decoder.tests.engine.scheduling_helpers import (
     run_until_done,
 )
 from tandem.decoder.engine.scheduling.kv_cache import BlockManager
-from tandem.decoder.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from tandem.decoder.engine.scheduling.scheduler import Scheduler
+from tandem.decoder.engine.scheduling.scheduler_config import SchedulerConfig
 
 
 def _scheduler() -> tuple[Scheduler, FakeRunner]:

@@ -17,7 +17,8 @@ from tandem.decoder.engine.front.loop import EngineThread
 from tandem.decoder.engine.front.peers import RankGroup, RankZeroPeers
 from tandem.decoder.engine.scheduling.adapters import AdapterSlots
 from tandem.decoder.engine.scheduling.kv_cache import BlockManager
-from tandem.decoder.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from tandem.decoder.engine.scheduling.scheduler import Scheduler
+from tandem.decoder.engine.scheduling.scheduler_config import SchedulerConfig
 from tandem.decoder.engine.step import grammar_budget, sizing
 from tandem.decoder.engine.step.core import EngineCore
 from tandem.decoder.engine.step.runner import ModelRunner

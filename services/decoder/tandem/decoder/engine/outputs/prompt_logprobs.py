@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest
+from tandem.decoder.engine.scheduling.step_plan import ScheduledRequest
 
 # Rows reduced at once: one slice's logits and their log-softmax are [SLICE_ROWS, vocab] float32
 # each (48 MiB at SmolLM2's 49,152 entries).

@@ -10,138 +10,23 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter, deque
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 
 from tandem.client import error_reasons as reasons
-from tandem.client.errors import ErrorInfo, InvalidArgument, ResourceExhausted
+from tandem.client.errors import InvalidArgument
 from tandem.decoder.engine.request import Request, RequestStatus
 from tandem.decoder.engine.scheduling.admission_order import AdmissionOrder
 from tandem.decoder.engine.scheduling.kv_cache import BlockManager
+from tandem.decoder.engine.scheduling.scheduler_config import (
+    QueueFullError,
+    RequestTooLongError,
+    SchedulerConfig,
+)
+from tandem.decoder.engine.scheduling.step_plan import ScheduledRequest, StepPlan
 
 # Tokens a request keeps its slot after admission before a caller with nothing running may take it
 # (when every running caller has one request and more callers wait than there are slots): slots then
 # go round the callers, each turn long enough that recomputing the preempted request is a small part.
 FAIR_TURN_TOKENS = 128
-
-
-class QueueFullError(ResourceExhausted):
-    """The waiting queue holds `max_waiting` requests; the same request may succeed later."""
-
-
-class RequestTooLongError(InvalidArgument, ValueError):
-    """A request that could never run here, whatever the load: it needs more than `limit_name`."""
-
-    def __init__(
-        self, field: str, limit_name: str, limit: int, value: int, *, info: ErrorInfo | None = None
-    ) -> None:
-        super().__init__(field, f"needs {value} but {limit_name} is {limit}", info=info)
-        self.limit_name = limit_name
-        self.limit = limit
-        self.value = value
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64  # requests in one step (running set size)
-    max_num_batched_tokens: int = 2048  # token budget of one step, prefill and decode together
-    max_waiting: int = 256  # waiting-queue bound; add_request raises QueueFullError beyond it
-    # Most positions of one request per step; None = whatever is left of the step's budget. Set (with
-    # a budget of max_num_seqs times it) a request's prefill chunks no longer depend on its neighbours.
-    max_tokens_per_request: int | None = None
-    # Most attention rows in one step: a request's prefill or decode is one, every proposed token it
-    # verifies one more (each attends as a sequence of its own). Static shapes set it to the largest
-    # sequence bucket; None = only the token budget bounds proposals.
-    max_num_rows: int | None = None
-    # Most requests in one step while a light caller (nothing waiting, at most this many running)
-    # shares the batch with heavy ones (requests waiting, or more running: a flood beside a
-    # neighbour): every request of the light callers runs each step, the heavy ones' take turns for
-    # the rest. A step's time grows with its rows (on a CPU: attention over each row's context), so a
-    # neighbour's tokens come at the pace of a narrow step, not of the flood's full batch. None =
-    # every running request, every step.
-    shared_step_seqs: int | None = None
-    # Most positions of a prefill chunk while any decode shares the step, less the decode rows (below)
-    # (vLLM's long_prefill_token_threshold; a step holding no decode is not capped): a step's
-    # time grows with its positions (SmolLM2 on 2 CPU cores: 1-5 ms each), and a decoding request's next
-    # token waits for the whole step. The chunk's share is the threshold less those rows, so that a
-    # power-of-two threshold is a static-shape bucket, but never under half the threshold: with more
-    # decode rows than that a prefill still advances half a threshold a step (at one position a step,
-    # 520 decodes kept a 2,000-token prompt 2,000 steps from its first token). Each prefilling request
-    # is capped so, and drafts come on top (a step may span more). None = off. A request's chunks then
-    # depend on its neighbours, so it cannot be set with max_tokens_per_request.
-    long_prefill_token_threshold: int | None = None
-    # Positions a prefill chunk is padded up to where each chunk runs as a graph of its own, apart
-    # from the step's decode rows (the XLA runner's prefill buckets, ascending). A capped chunk then
-    # takes the largest of them within the threshold (the smallest if none is), the decode rows not
-    # deducted: the threshold less them padded up to the next bucket, and 511 positions ran as a
-    # 1,024-position graph (beside a decode, a 2,000-token prompt took 1.5x its uncapped time on XLA's
-    # CPU device; 256-position chunks 1.06x). None: the chunk's share of one packed step, as above.
-    prefill_buckets: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.shared_step_seqs is not None and self.shared_step_seqs < 1:
-            raise ValueError(f"SchedulerConfig.shared_step_seqs must be >= 1, got {self.shared_step_seqs}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_num_rows is not None and self.max_num_rows < self.max_num_seqs:
-            raise ValueError(f"SchedulerConfig.max_num_rows must be >= max_num_seqs, got {self.max_num_rows}")
-        if self.max_tokens_per_request is not None and self.max_tokens_per_request < 1:
-            raise ValueError(
-                f"SchedulerConfig.max_tokens_per_request must be >= 1, got {self.max_tokens_per_request}"
-            )
-        if self.prefill_buckets is not None and (
-            not self.prefill_buckets
-            or list(self.prefill_buckets) != sorted(set(self.prefill_buckets))
-            or self.prefill_buckets[0] < 1
-        ):
-            raise ValueError(
-                f"SchedulerConfig.prefill_buckets must be increasing sizes >= 1, got {self.prefill_buckets}"
-            )
-        if self.long_prefill_token_threshold is not None:
-            if self.long_prefill_token_threshold < 1:
-                raise ValueError(
-                    "SchedulerConfig.long_prefill_token_threshold must be >= 1, got "
-                    f"{self.long_prefill_token_threshold}"
-                )
-            if self.max_tokens_per_request is not None:
-                raise ValueError(
-                    "SchedulerConfig.long_prefill_token_threshold would make a request's chunks depend on "
-                    "its neighbours, which max_tokens_per_request rules out"
-                )
-
-
-@dataclass(frozen=True)
-class ScheduledRequest:
-    """One request's share of a step: positions [start, start + num_new_tokens)."""
-
-    request_id: str  # the request's id
-    request: Request  # token ids, embedding spans and sampling params; mutated only by update()
-    start: int  # num_computed_tokens before this step: first position to run
-    num_new_tokens: int  # positions to run this step, >= 1
-    block_ids: tuple[int, ...]  # the request's whole block table after this step's allocation
-    needs_logits: bool  # the step reaches num_tokens: sample from the last 1 + num_draft_tokens positions
-    is_prefill: bool  # start < num_prompt_tokens (some positions may be embedding rows)
-    # The last positions run the request's proposed tokens (`request.draft_token_ids[:n]`), verified
-    # by this step: the step samples 1 + n tokens and keeps the ones the proposal got right.
-    num_draft_tokens: int = 0
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_new_tokens
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """Everything the runner needs from the scheduler for one forward pass."""
-
-    scheduled: tuple[ScheduledRequest, ...]  # batch order: running requests first, then admitted
-    num_batched_tokens: int  # sum of num_new_tokens, <= max_num_batched_tokens
-    preempted_ids: tuple[str, ...]  # requests whose blocks this step took back (recompute later)
-    num_free_blocks_after: int  # BlockManager.num_free_blocks once this step's blocks are held
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:

@@ -19,7 +19,7 @@ import torch
 
 from tandem.decoder.engine.outputs.prompt_logprobs import ScoredSpan, positions_to_score, scored_span
 from tandem.decoder.engine.scheduling.kv_cache import NULL_BLOCK_ID
-from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest, StepPlan
+from tandem.decoder.engine.scheduling.step_plan import ScheduledRequest, StepPlan
 from tandem.decoder.models.attention import AttentionMetadata
 from tandem.decoder.models.forward_batch import ForwardBatch
 from tandem.decoder.models.lora import LoraStep, LoraTable

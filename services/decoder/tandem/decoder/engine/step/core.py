@@ -52,7 +52,8 @@ from tandem.decoder.engine.sampling.prompt_lookup import PromptLookup
 from tandem.decoder.engine.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
 from tandem.decoder.engine.scheduling.adapters import Adapter, AdapterSlots
 from tandem.decoder.engine.scheduling.kv_cache import BlockManager
-from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest, Scheduler
+from tandem.decoder.engine.scheduling.scheduler import Scheduler
+from tandem.decoder.engine.scheduling.step_plan import ScheduledRequest
 from tandem.decoder.engine.step import grammar_budget, non_finite, sampled_rows, speculation, step_grammar
 from tandem.decoder.engine.step.adapter_slots import LiveAdapterSlots
 from tandem.decoder.engine.step.grammar_rebuilds import GrammarRebuilds

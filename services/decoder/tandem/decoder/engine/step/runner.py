@@ -28,7 +28,7 @@ import torch
 from tandem.decoder.backends.backend import Backend, ModelStep, RecompileError, StepFn
 from tandem.decoder.backends.torch_compile import TorchCompileBuckets
 from tandem.decoder.engine.outputs.prompt_logprobs import PromptLogprobsChunk, score
-from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest, StepPlan
+from tandem.decoder.engine.scheduling.step_plan import ScheduledRequest, StepPlan
 from tandem.decoder.engine.step.batch import BatchTensors, HostBatch, StepBatch, pack, rows_apart
 from tandem.decoder.engine.step.sequence_parallel import pad_for_sequence_parallel
 from tandem.decoder.engine.step.static_shapes import (

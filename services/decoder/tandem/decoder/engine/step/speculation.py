@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from tandem.decoder.engine.request import Request
 from tandem.decoder.engine.sampling.grammar_growth import MatcherFull
 from tandem.decoder.engine.sampling.prompt_lookup import verified_tokens
-from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest
+from tandem.decoder.engine.scheduling.step_plan import ScheduledRequest
 from tandem.decoder.engine.step.grammar_budget import num_draft_tokens_within, row_seconds_ahead
 from tandem.decoder.engine.step.grammar_rebuilds import GrammarRebuilds
 from tandem.decoder.engine.step.tracked import Tracked

@@ -16,7 +16,7 @@ import torch
 
 from tandem.client.errors import TandemError
 from tandem.decoder.engine.sampling.grammar_growth import MatcherFull
-from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest, StepPlan
+from tandem.decoder.engine.scheduling.step_plan import ScheduledRequest, StepPlan
 from tandem.decoder.engine.step.grammar_budget import over_budget, over_budget_error
 
 

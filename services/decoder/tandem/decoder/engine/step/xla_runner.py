@@ -26,7 +26,7 @@ from tandem.decoder.backends.backend import RecompileError
 from tandem.decoder.backends.xla import runtime
 from tandem.decoder.backends.xla.sharding import ShardingPlan
 from tandem.decoder.backends.xla.step import Transfers, XlaStep
-from tandem.decoder.engine.scheduling.scheduler import ScheduledRequest, StepPlan
+from tandem.decoder.engine.scheduling.step_plan import ScheduledRequest, StepPlan
 from tandem.decoder.engine.step.batch import BatchTensors, HostBatch, StepBatch, pack
 from tandem.decoder.engine.step.runner import ModelRunner, Signature, StepOutput
 from tandem.decoder.engine.step.static_shapes import append_padding
