@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.client.errors import ConfigError
 from tandem.common.server import ServerOptions
 from tandem.common.torch_part.model_cache import default_model_file
 from tandem.encoder import __main__ as encoder_main
@@ -25,9 +26,12 @@ def test_defaults_serve_the_lookup_embedder_on_port_50051() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"embedder": "clip"}, "embedder must be one of"),
-        ({"dtype": "int8"}, "dtype must be one of"),
-        ({"pooling": "max"}, "pooling must be one of"),
+        (
+            {"embedder": "clip"},
+            r"embedder must be one of \('lookup', 'soft-prompt', 'projector'\), got 'clip'",
+        ),
+        ({"dtype": "int8"}, r"dtype must be one of \('bfloat16', 'float16', 'float32'\), got 'int8'"),
+        ({"pooling": "max"}, r"pooling must be one of \['none', 'mean'\], got 'max'"),
         ({"max_input_tokens": 0}, "max_input_tokens must be >= 1"),
         ({"embedder": "soft-prompt"}, "adapter_dir is required by embedder 'soft-prompt'"),
         ({"embedder": "projector", "projector_path": Path("p")}, "encoder_model_dir is required"),
@@ -54,6 +58,47 @@ def test_defaults_serve_the_lookup_embedder_on_port_50051() -> None:
 def test_invalid_configs_are_refused_when_built(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EncoderConfig(model_dir=MODEL, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("max_image_pixels", 0, "must be >= 1, got 0"),
+        ("max_batch_size", 0, "must be >= 1, got 0"),
+        ("shared_memory_segments", 0, "must be >= 1, got 0"),
+        ("shared_memory_bytes", -1, "must be >= 0 (0: never), got -1"),
+        ("shared_memory_lease_s", 0.09, "must be in [0.1, 3600] seconds, got 0.09"),
+        ("shared_memory_lease_s", 3600.5, "must be in [0.1, 3600] seconds, got 3600.5"),
+        ("max_batch_wait_ms", -0.5, "must be in [0, 1000], got -0.5"),
+        ("max_batch_wait_ms", 1000.5, "must be in [0, 1000], got 1000.5"),
+    ],
+)
+def test_a_bound_past_its_limit_is_refused_naming_the_field_and_the_limit(
+    field: str, value: float, reason: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        EncoderConfig(model_dir=MODEL, **{field: value})
+    assert (refused.value.field, refused.value.reason) == (field, reason)
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        {
+            "max_input_tokens": 1,
+            "max_image_pixels": 1,
+            "max_batch_size": 1,
+            "shared_memory_segments": 1,
+            "shared_memory_bytes": 0,
+            "shared_memory_lease_s": 0.1,
+            "max_batch_wait_ms": 0,
+        },
+        {"shared_memory_lease_s": 3600, "max_batch_wait_ms": 1000},
+    ],
+)
+def test_each_bound_at_its_limit_is_taken(limits: dict) -> None:
+    config = EncoderConfig(model_dir=MODEL, **limits)
+    assert {field: getattr(config, field) for field in limits} == limits
 
 
 def test_flags_build_the_config(environ) -> None:
