@@ -325,3 +325,55 @@ def test_the_flags_past_their_bounds_are_refused_from_the_command_line() -> None
     with pytest.raises(ConfigError) as error:
         _config(["--max-large-bodies", str(2**63)])
     assert error.value.field == "max_large_bodies"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("max_body_bytes", 0, "must be >= 1, got 0"),
+        ("max_streams_per_caller", 0, "must be >= 1, got 0"),
+        ("max_choices", 0, "must be >= 1, got 0"),
+        ("max_embeddings_bytes", 0, "must be >= 1, got 0"),
+        ("large_body_bytes", 0, "must be >= 1, got 0"),
+        ("max_large_bodies", 0, "must be >= 1, got 0"),
+        ("max_large_bodies_per_caller", 0, "must be >= 1, got 0"),
+        ("max_connections", 0, "must be >= 1, got 0"),
+        ("max_idle_channels", -1, "must be >= 0, got -1"),
+        ("port", -1, "must be in 0..65535, got -1"),
+        ("port", 65536, "must be in 0..65535, got 65536"),
+        ("grace_s", -0.5, "must be a finite number of seconds, 0 or more, got -0.5"),
+        ("header_timeout_s", 0, "must be a finite number of seconds, more than 0, got 0"),
+        ("idle_timeout_s", 0, "must be a finite number of seconds, more than 0, got 0"),
+        ("body_idle_timeout_s", 0, "must be a finite number of seconds, more than 0, got 0"),
+        ("body_timeout_s", -1, "must be a finite number of seconds, more than 0, got -1"),
+        ("write_timeout_s", 0, "must be a finite number of seconds, more than 0, got 0"),
+        ("host", "", "must name an address (0.0.0.0: every IPv4 one), got ''"),
+    ],
+)
+def test_a_bound_below_its_least_is_refused_naming_the_field_and_the_least(
+    field: str, value: object, reason: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(config, "memory_limit", lambda: MemoryLimit(2**40, None))  # not this host's
+    with pytest.raises(ConfigError) as error:
+        GatewayConfig(**{field: value})  # type: ignore[arg-type]
+    assert (error.value.field, error.value.reason) == (field, reason)
+
+
+def test_each_bound_at_its_least_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "memory_limit", lambda: MemoryLimit(2**40, None))
+    least = {
+        "max_body_bytes": 1,
+        "max_streams_per_caller": 1,
+        "max_choices": 1,
+        "max_embeddings_bytes": 1,
+        "large_body_bytes": 1,
+        "max_large_bodies": 1,
+        "max_large_bodies_per_caller": 1,
+        "max_connections": 1,
+        "max_idle_channels": 0,
+        "port": 0,
+        "grace_s": 0.0,
+    }
+    taken = GatewayConfig(**least)  # type: ignore[arg-type]
+    assert {field: getattr(taken, field) for field in least} == least
+    assert GatewayConfig(port=65535).port == 65535
