@@ -5,8 +5,10 @@ matcher's rebuilds'."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from tandem.decoder.engine.sampling.grammar_growth import MatcherFull
@@ -91,8 +93,14 @@ def test_a_full_matchers_rows_go_unmasked_and_it_is_named_full_with_no_seconds()
     assert masks.full == {"full"} and masks.seconds == {}
 
 
-def test_a_step_with_no_constrained_row_starts_no_mask_thread() -> None:
+@pytest.fixture
+def mask_thread() -> Iterator[MaskThread]:
     mask_thread = MaskThread()
+    yield mask_thread
+    mask_thread.close()  # at teardown, passed or failed: a failed assertion left its thread running
+
+
+def test_a_step_with_no_constrained_row_starts_no_mask_thread(mask_thread: MaskThread) -> None:
     before = {thread.name for thread in threading.enumerate()}
     free = SimpleNamespace(scheduled=[_scheduled("free", None, [])])
     unsampled = SimpleNamespace(scheduled=[_scheduled("chunk", _Constraint(8), [], needs_logits=False)])
@@ -103,4 +111,3 @@ def test_a_step_with_no_constrained_row_starts_no_mask_thread() -> None:
     constrained = SimpleNamespace(scheduled=[_scheduled("json", _Constraint(8), [])])
     future = mask_thread.submit(constrained)  # type: ignore[arg-type]
     assert future is not None and future.result(timeout=30).seconds.keys() == {"json"}
-    mask_thread.close()
