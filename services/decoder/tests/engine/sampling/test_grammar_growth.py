@@ -34,7 +34,9 @@ LIMIT_S = 10.0  # no test here is about CPU time
 
 
 @pytest.fixture
-def compiler(tiny_model_dir: Path) -> GrammarCompiler:
+def untimed_compiler(tiny_model_dir: Path) -> GrammarCompiler:
+    """This file's own compiler, not the folder's `compiler` (conftest.py: at the served per-token limit,
+    one a module): a per-token CPU limit no test here reaches, and a new one for each test."""
     tokenizer = tokenizers.Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
     eos = tokenizer.token_to_id("<|endoftext|>")
     return GrammarCompiler(tokenizer, tokenizer.get_vocab_size(), (eos,), max_token_cpu_seconds=LIMIT_S)
@@ -82,8 +84,8 @@ def test_growth_is_charged_a_kibibyte_a_state_past_the_first_tranche_the_floor_c
     assert growth_bytes(4 * FIRST_MAX_LEXER_STATES) == 3 * FIRST_MAX_LEXER_STATES * BYTES_PER_LEXER_STATE
 
 
-def test_an_ordinary_grammar_never_leaves_its_first_tranche(compiler: GrammarCompiler) -> None:
-    constraint = compiler.constraint(StructuredOutput("json_object", ""))
+def test_an_ordinary_grammar_never_leaves_its_first_tranche(untimed_compiler: GrammarCompiler) -> None:
+    constraint = untimed_compiler.constraint(StructuredOutput("json_object", ""))
     _decode(constraint, [int(constraint.allowed().nonzero()[0])])
     assert constraint.metered is not None and constraint.metered.max_states == FIRST_MAX_LEXER_STATES
     assert constraint.metered.charged_bytes == 0
@@ -116,11 +118,11 @@ def _decode_deferring(constraint: Constraint, tokens: list[int]) -> tuple[list[t
 
 @pytest.mark.parametrize("defers", [False, True])
 def test_a_growing_matcher_is_charged_as_its_states_fill_and_masks_as_an_unmetered_one(
-    compiler: GrammarCompiler, answer: list[int], monkeypatch: pytest.MonkeyPatch, defers: bool
+    untimed_compiler: GrammarCompiler, answer: list[int], monkeypatch: pytest.MonkeyPatch, defers: bool
 ) -> None:
     # Deferring (as the engine's matchers do): full once its growth is charged, built again after.
-    monkeypatch.setattr(compiler, "memory", GrammarMemoryBudget())
-    constraint = compiler.constraint(GROWING, caller="a")
+    monkeypatch.setattr(untimed_compiler, "memory", GrammarMemoryBudget())
+    constraint = untimed_compiler.constraint(GROWING, caller="a")
     built = constraint.memory_bytes
     tokens = answer[:120]
     if defers:
@@ -131,31 +133,37 @@ def test_a_growing_matcher_is_charged_as_its_states_fill_and_masks_as_an_unmeter
     metered = constraint.metered
     assert metered is not None and metered.max_states > FIRST_MAX_LEXER_STATES  # built again, larger
     assert constraint.error() is None and len(masks) == len(tokens)
-    assert constraint.memory_bytes == built + growth_bytes(metered.max_states) == compiler.memory.held("a")
-    assert all(torch.equal(a, b) for a, b in zip(masks, _unmetered_masks(compiler, tokens), strict=True))
+    assert (
+        constraint.memory_bytes
+        == built + growth_bytes(metered.max_states)
+        == untimed_compiler.memory.held("a")
+    )
+    assert all(
+        torch.equal(a, b) for a, b in zip(masks, _unmetered_masks(untimed_compiler, tokens), strict=True)
+    )
     del constraint, metered  # its request ended: every tranche given back with its build's charge
-    assert compiler.memory.held() == 0
+    assert untimed_compiler.memory.held() == 0
 
 
 def test_a_proposal_rolled_back_across_a_rebuild_leaves_the_state_where_it_was(
-    compiler: GrammarCompiler, answer: list[int]
+    untimed_compiler: GrammarCompiler, answer: list[int]
 ) -> None:
-    constraint, metered = _ten_tokens_in(compiler, answer)
+    constraint, metered = _ten_tokens_in(untimed_compiler, answer)
     tokens = answer[:60]
     constraint.masks_along(tokens[10:])  # the states fill on the way, and are rolled back after
     assert metered.max_states > FIRST_MAX_LEXER_STATES
-    reference = compiler.constraint(GROWING)
+    reference = untimed_compiler.constraint(GROWING)
     _decode(reference, tokens[:10])
     assert torch.equal(constraint.allowed(), reference.allowed())
 
 
 def test_a_growth_past_its_callers_limit_among_its_other_grammars_fails_that_request_for_a_retry(
-    compiler: GrammarCompiler, answer: list[int], monkeypatch: pytest.MonkeyPatch
+    untimed_compiler: GrammarCompiler, answer: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(compiler, "memory", GrammarMemoryBudget(max_bytes_per_caller=8 * MIB))
-    others = compiler.memory.reserve("a", "structured.regex", 3 * MIB)  # its other live grammars'
-    growing = compiler.constraint(GROWING, caller="a")
-    neighbour = compiler.constraint(GROWING, caller="b")
+    monkeypatch.setattr(untimed_compiler, "memory", GrammarMemoryBudget(max_bytes_per_caller=8 * MIB))
+    others = untimed_compiler.memory.reserve("a", "structured.regex", 3 * MIB)  # its other live grammars'
+    growing = untimed_compiler.constraint(GROWING, caller="a")
+    neighbour = untimed_compiler.constraint(GROWING, caller="b")
     tokens = answer[:400]
     masks = _decode(growing, tokens)
     error = growing.error()
@@ -166,7 +174,7 @@ def test_a_growth_past_its_callers_limit_among_its_other_grammars_fails_that_req
         "the answer past "
     )
     assert "the limit is 8 MiB per caller" in str(error)
-    assert compiler.memory.held("a") == growing.memory_bytes + 3 * MIB <= 8 * MIB
+    assert untimed_compiler.memory.held("a") == growing.memory_bytes + 3 * MIB <= 8 * MIB
     # Another caller's request of the same grammar goes on within its own limit (half the answer).
     assert len(_decode(neighbour, tokens[: len(masks) // 2])) == len(masks) // 2
     assert neighbour.error() is None
@@ -174,11 +182,11 @@ def test_a_growth_past_its_callers_limit_among_its_other_grammars_fails_that_req
 
 
 def test_a_growth_that_alone_passes_its_callers_limit_is_invalid_not_a_retry_that_fails_for_ever(
-    compiler: GrammarCompiler, answer: list[int], monkeypatch: pytest.MonkeyPatch
+    untimed_compiler: GrammarCompiler, answer: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The caller's only grammar: no other's end would make room, so a retry fails at the same token.
-    monkeypatch.setattr(compiler, "memory", GrammarMemoryBudget(max_bytes_per_caller=8 * MIB))
-    growing = compiler.constraint(GROWING, caller="a")
+    monkeypatch.setattr(untimed_compiler, "memory", GrammarMemoryBudget(max_bytes_per_caller=8 * MIB))
+    growing = untimed_compiler.constraint(GROWING, caller="a")
     masks = _decode(growing, answer[:400])
     error = growing.error()
     assert isinstance(error, InvalidArgument) and error.field == "structured.regex"
@@ -270,16 +278,16 @@ def test_a_matcher_whose_replay_would_be_dear_grows_to_its_limit_of_all_in_one_c
 
 
 def test_a_proposal_that_fills_a_deferring_matcher_is_left_out_of_its_rebuild(
-    compiler: GrammarCompiler, answer: list[int]
+    untimed_compiler: GrammarCompiler, answer: list[int]
 ) -> None:
-    constraint, metered = _ten_tokens_in(compiler, answer)
+    constraint, metered = _ten_tokens_in(untimed_compiler, answer)
     tokens = answer[:60]
     metered.defers_rebuilds = True
     with pytest.raises(MatcherFull):
         constraint.masks_along(tokens[10:])
     metered.start_rebuild()
     assert metered.continue_rebuild(max_seconds=LIMIT_S)
-    reference = compiler.constraint(GROWING)
+    reference = untimed_compiler.constraint(GROWING)
     _decode(reference, tokens[:10])
     assert torch.equal(constraint.allowed(), reference.allowed())
 
