@@ -5,6 +5,9 @@ with it."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -287,10 +290,6 @@ def test_a_key_is_checked_where_proc_is_not_mounted(tmp_path: Path) -> None:
     """For real, in a mount namespace of its own with an empty /proc (where root may make one: else
     skipped, and the "no /proc" cases above stand in): OpenSSL opened /proc/self/fd/N and raised
     FileNotFoundError, a traceback out of every TLS start in a chroot or a bare container."""
-    import shutil
-    import subprocess
-    import sys
-
     empty_proc = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs none /proc && exec "$@"', "sh"]
     if (
         shutil.which("unshare") is None
