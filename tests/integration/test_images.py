@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from concurrent import futures
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -86,6 +87,22 @@ def dockerfile_healthcheck_command() -> str:
     [command] = commands
     assert command == f"python {HEALTH_SCRIPT_IN_IMAGE}"
     return command.replace(HEALTH_SCRIPT_IN_IMAGE, str(HEALTH_SCRIPT))
+
+
+def health_check(variables: dict[str, str], **run: Any) -> subprocess.CompletedProcess[str]:
+    """The services' HEALTHCHECK run here with `variables` set over this process's environment less
+    every TANDEM_HEALTH_* variable: one the caller set (a TANDEM_HEALTH_TLS_CA of its own, say) would
+    change what the check does. `run`: more of subprocess.run's arguments."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("TANDEM_HEALTH_")}
+    env["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # `python` is this venv's
+    return subprocess.run(
+        ["sh", "-c", dockerfile_healthcheck_command()],
+        env=env | variables,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        **run,
+    )
 
 
 def _makefile_pin(name: str) -> str:
@@ -291,19 +308,12 @@ def test_a_health_tls_file_it_cannot_use_is_one_line_naming_its_variable_and_unh
         "directory": (str(tmp_path), f"{tmp_path} is not a regular file"),
         "over 1 MiB": (str(over), f"{over} is over 1,048,576 bytes, the bound of a PEM file (1 MiB)"),
     }[kind]
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # `python` is this venv's
-        "TANDEM_HEALTH_PORTS": "1",  # never asked: the file is refused first
-        "TANDEM_HEALTH_TLS_CA": str(ca),
-        variable: path,
-    }
-    check = subprocess.run(
-        ["sh", "-c", dockerfile_healthcheck_command()],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
+    check = health_check(
+        {
+            "TANDEM_HEALTH_PORTS": "1",  # never asked: the file is refused first
+            "TANDEM_HEALTH_TLS_CA": str(ca),
+            variable: path,
+        },
         preexec_fn=_cap_address_space,  # a whole read of /dev/zero fails here, not in the host's memory
     )
     assert (check.returncode, check.stdout, check.stderr) == (1, "", f"healthcheck: {variable}: {said}\n")
@@ -317,16 +327,12 @@ def test_half_a_health_client_pair_is_one_line_naming_the_missing_variable(
     (SIGABRT, exit 134: 'Check failed: private_key != nullptr'), a core dump every interval."""
     ca = tmp_path / "ca.pem"
     ca.write_text("-----BEGIN CERTIFICATE-----\n")  # read, not parsed: the pair is refused first
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # `python` is this venv's
-        "TANDEM_HEALTH_PORTS": "1",  # never asked
-        "TANDEM_HEALTH_TLS_CA": str(ca),
-        f"TANDEM_HEALTH_TLS_{given}": str(ca),
-    }
-    env.pop(f"TANDEM_HEALTH_TLS_{missing}", None)
-    check = subprocess.run(
-        ["sh", "-c", dockerfile_healthcheck_command()], env=env, capture_output=True, text=True, timeout=30
+    check = health_check(
+        {
+            "TANDEM_HEALTH_PORTS": "1",  # never asked
+            "TANDEM_HEALTH_TLS_CA": str(ca),
+            f"TANDEM_HEALTH_TLS_{given}": str(ca),
+        }
     )
     said = f"healthcheck: TANDEM_HEALTH_TLS_{missing}: unset, as TANDEM_HEALTH_TLS_{given} is set: a client "
     said += "certificate and its key go together (mutual TLS)\n"
@@ -337,15 +343,8 @@ def test_half_a_health_client_pair_is_one_line_naming_the_missing_variable(
 def test_a_health_client_pair_without_its_ca_is_one_line_naming_the_ca(given: str) -> None:
     """Without TANDEM_HEALTH_TLS_CA the check spoke plaintext, the client certificate set beside it
     unread: a TLS service then failed it with no word of why."""
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # `python` is this venv's
-        "TANDEM_HEALTH_PORTS": "1",  # never asked
-        f"TANDEM_HEALTH_TLS_{given}": "/never/read.pem",
-    }
-    env.pop("TANDEM_HEALTH_TLS_CA", None)
-    check = subprocess.run(
-        ["sh", "-c", dockerfile_healthcheck_command()], env=env, capture_output=True, text=True, timeout=30
+    check = health_check(
+        {"TANDEM_HEALTH_PORTS": "1", f"TANDEM_HEALTH_TLS_{given}": "/never/read.pem"}  # the port never asked
     )
     said = f"healthcheck: TANDEM_HEALTH_TLS_CA: unset, as TANDEM_HEALTH_TLS_{given} is set: mutual TLS "
     said += "is TLS first, its CA the one the services' certificate is checked against\n"
@@ -356,13 +355,7 @@ def test_a_health_client_pair_without_its_ca_is_one_line_naming_the_ca(given: st
 def test_no_port_to_check_is_one_line_naming_the_variable_and_unhealthy(ports: str | None) -> None:
     """Unset, TANDEM_HEALTH_PORTS was a KeyError traceback; empty, no port was asked and the check
     said healthy (exit 0) of a service it never reached."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    env.pop("TANDEM_HEALTH_PORTS", None)
-    if ports is not None:
-        env["TANDEM_HEALTH_PORTS"] = ports
-    check = subprocess.run(
-        ["sh", "-c", dockerfile_healthcheck_command()], env=env, capture_output=True, text=True, timeout=30
-    )
+    check = health_check({} if ports is None else {"TANDEM_HEALTH_PORTS": ports})
     said = "healthcheck: TANDEM_HEALTH_PORTS: names no port: the gRPC ports to ask, space-separated\n"
     assert (check.returncode, check.stdout, check.stderr) == (1, "", said)
 
@@ -370,14 +363,7 @@ def test_no_port_to_check_is_one_line_naming_the_variable_and_unhealthy(ports: s
 def test_a_port_that_does_not_answer_is_one_line_naming_it_and_unhealthy() -> None:
     """Docker keeps the check's output in `docker inspect`: a service still loading its model (nothing
     listens yet) was an 18-line grpc.RpcError traceback there, every interval."""
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # `python` is this venv's
-        "TANDEM_HEALTH_PORTS": "1",  # tcpmux's port: nothing listens on it here
-    }
-    check = subprocess.run(
-        ["sh", "-c", dockerfile_healthcheck_command()], env=env, capture_output=True, text=True, timeout=30
-    )
+    check = health_check({"TANDEM_HEALTH_PORTS": "1"})  # tcpmux's port: nothing listens on it here
     assert (check.returncode, check.stdout) == (1, "")
     assert check.stderr.startswith("healthcheck: 127.0.0.1:1: UNAVAILABLE: ")
     assert check.stderr.count("\n") == 1 and check.stderr.endswith("\n"), check.stderr
@@ -392,13 +378,7 @@ def test_a_port_not_serving_is_one_line_naming_it_and_its_status_and_unhealthy()
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        env = {
-            **os.environ,
-            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-            "TANDEM_HEALTH_PORTS": str(port),
-        }
-        command = ["sh", "-c", dockerfile_healthcheck_command()]
-        check = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30)
+        check = health_check({"TANDEM_HEALTH_PORTS": str(port)})
     finally:
         server.stop(0)
     said = f"healthcheck: 127.0.0.1:{port}: NOT_SERVING\n"
