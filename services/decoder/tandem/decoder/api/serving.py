@@ -9,16 +9,22 @@ no new calls, and open streams get --grace-s to finish (`drain.py`). A signal wh
 loads (weights, kernel choice, warm-up) abandons the load rather than waiting for it
 (`Outcome.ABANDONED`: `rank_group.py` ends the process and its ranks); one while the --encoder's
 model is checked stops without waiting for its answer.
+
+However it ends once the model loaded (a stop, a failure, an error raised on the way), the engine (its
+thread would hold the interpreter's exit), the encoder parts, the server and the telemetry are each
+released once, a release that raises not keeping the next from its turn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import enum
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +60,9 @@ UNSERVED_GRACE_S = 1.0
 # up` both start together, and a larger encoder may still be loading); past it, it serves, and the
 # encoder's model is checked at its first encoder part.
 ENCODER_CHECK_S = 30.0
+# A load that raises one of these failed on the checkpoint or this host (ModelLoadError, a short read,
+# a NaN, torch's out of memory), not on a bug: one error line, no traceback.
+LOAD_FAILURES = (ModelLoadError, BackendUnavailable, OSError, RuntimeError, ValueError)
 
 
 class Outcome(enum.Enum):
@@ -95,93 +104,153 @@ async def serve(
     loader.shutdown(wait=False)
     if not is_loaded:
         log.info("stopping before the model finished loading")
-        await running.stop(UNSERVED_GRACE_S)
-        telemetry.shutdown()
+        await _in_turn(lambda: running.stop(UNSERVED_GRACE_S), telemetry.shutdown)
         log.info("stopped")
         return Outcome.ABANDONED
     try:
         engine = loading.result()
-    except ConfigError:  # e.g. a KV pool the host cannot hold: one line naming the flag, as before listening
-        await running.stop(UNSERVED_GRACE_S)
-        telemetry.shutdown()
-        raise
-    except (ModelLoadError, BackendUnavailable, OSError, RuntimeError, ValueError) as error:
-        log.error("could not load %s: %s", config.engine.model_dir, error)
-        log.debug("the load failed here", exc_info=True)
-        await running.stop(UNSERVED_GRACE_S)
-        telemetry.shutdown()
+    except BaseException as error:
+        # A load that failed on the checkpoint or this host is one error line. A ConfigError (e.g. a KV
+        # pool the host cannot hold: one line naming the flag, as before listening) and anything else
+        # (a bug: its traceback) go on up. Either way the server is stopped first.
+        is_failed = isinstance(error, LOAD_FAILURES) and not isinstance(error, ConfigError)
+        if is_failed:
+            log.error("could not load %s: %s", config.engine.model_dir, error)
+            log.debug("the load failed here", exc_info=True)
+        await _in_turn(lambda: running.stop(UNSERVED_GRACE_S), telemetry.shutdown)
+        if not is_failed:
+            raise
         return Outcome.FAILED
+    try:
+        unserved = await _until_serving(config, engine, servicer, telemetry, stop)
+    except BaseException:  # a bug, a cancel: nothing is left held (the engine's thread would hold the exit)
+        await _stop_unserved(engine, servicer, running, telemetry)
+        raise
+    if unserved is not None:
+        await _stop_unserved(engine, servicer, running, telemetry)
+        return unserved
+    servicer.engine = engine  # calls reach the engine from here on: whatever ends it, they are drained
+    watchdog: asyncio.Task[None] | None = None
+    try:
+        freeze_startup_heap()
+        await running.set_serving()
+        log.info("serving %s on port %d", config.model_name, running.port)
+        if ready is not None:
+            ready.set()
+        # A failed group cannot recover: rank 0 then stops too, so the whole group exits non-zero.
+        watchdog = asyncio.create_task(_watch_engine(engine, running, stop if rank is not None else None))
+        await stop.wait()
+        healthy = engine.is_healthy
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        await _in_turn(
+            lambda: drain(running, engine, config.server.grace_s),
+            engine.shutdown,
+            thaw_startup_heap,
+            lambda: _close_encoder_parts(servicer),
+            telemetry.shutdown,  # flushes spans and metrics still buffered
+        )
+    log.info("stopped")
+    return Outcome.STOPPED if healthy else Outcome.FAILED
+
+
+async def _until_serving(
+    config: DecoderConfig,
+    engine: Engine,
+    servicer: DecoderServicer,
+    telemetry: Telemetry,
+    stop: asyncio.Event,
+) -> Outcome | None:
+    """From a loaded engine to where it may serve: GetModelInfo's samples of the checkpoint read, and
+    the --encoder's model checked. None once it may serve; else how a decoder that never served ends
+    (the caller releases what it holds, as on any error raised here)."""
     # This thread only converts requests (small tensor ops): one intra-op thread, so it never holds
     # an OpenMP team that would slow the engine thread's steps.
     torch.set_num_threads(1)
-    servicer.token_table_sample = checkpoint_sample(Path(config.engine.model_dir))  # 16 rows read
-    servicer.weight_samples = checkpoint_weight_samples(Path(config.engine.model_dir))  # 16 rows a tensor
-    if config.encoder_address:
-        servicer.encoder_parts = EncoderParts(
-            config.encoder_address,
-            engine.model_config.dtype,
-            config.server.max_message_bytes,
-            config.encoder_cache_bytes,
-            telemetry,
-            model_dir=Path(config.engine.model_dir),
-            model_name=config.model_name,
-            hidden_size=engine.model_config.hidden_size,
-        )
+    model_dir = Path(config.engine.model_dir)
+    try:
+        servicer.token_table_sample = checkpoint_sample(model_dir)  # 16 rows read
+        servicer.weight_samples = checkpoint_weight_samples(model_dir)  # 16 rows a tensor
+        if config.encoder_address:
+            servicer.encoder_parts = EncoderParts(
+                config.encoder_address,
+                engine.model_config.dtype,
+                config.server.max_message_bytes,
+                config.encoder_cache_bytes,
+                telemetry,
+                model_dir=model_dir,
+                model_name=config.model_name,
+                hidden_size=engine.model_config.hidden_size,
+            )
+    except OSError as error:  # the checkpoint changed since it loaded (a file removed, a disk gone)
+        log.error("could not read %s once loaded: %s", model_dir, error)
+        log.debug("the read failed here", exc_info=True)
+        return Outcome.FAILED
+    if servicer.encoder_parts is not None:
         log.info("encoder parts are fetched from %s", config.encoder_address)
         checking = asyncio.ensure_future(servicer.encoder_parts.check_model(ENCODER_CHECK_S))
-        if not await _unless_stopped(checking, stop):  # the encoder may still be loading: not waited for
+        try:
+            is_checked = await _unless_stopped(checking, stop)
+        finally:  # not waited for once stopped (the encoder may still be loading), nor past an error
             checking.cancel()
             await asyncio.wait({checking})
+        if not is_checked:
             log.info("stopping before the encoder's model was checked")
-            return await _stop_unserved(engine, servicer, running, telemetry, Outcome.STOPPED)
+            return Outcome.STOPPED
         try:
             log.info("%s", checking.result())
         except EncoderMismatch as error:
             log.error("refusing --encoder: %s", error)
-            return await _stop_unserved(engine, servicer, running, telemetry, Outcome.FAILED)
+            return Outcome.FAILED
     if stop.is_set():  # the signal came as the load ended: stop without serving a moment
         log.info("stopping before serving")
-        return await _stop_unserved(engine, servicer, running, telemetry, Outcome.STOPPED)
-    servicer.engine = engine
-    freeze_startup_heap()
-    await running.set_serving()
-    log.info("serving %s on port %d", config.model_name, running.port)
-    if ready is not None:
-        ready.set()
-    # A failed group cannot recover: rank 0 then stops too, so the whole group exits non-zero.
-    watchdog = asyncio.create_task(_watch_engine(engine, running, stop if rank is not None else None))
-    await stop.wait()
-    healthy = engine.is_healthy
-    watchdog.cancel()
-    await drain(running, engine, config.server.grace_s)
-    engine.shutdown()
-    thaw_startup_heap()
-    if servicer.encoder_parts is not None:
-        await servicer.encoder_parts.close()
-    telemetry.shutdown()  # flushes spans and metrics still buffered
-    log.info("stopped")
-    return Outcome.STOPPED if healthy else Outcome.FAILED
+        return Outcome.STOPPED
+    return None
 
 
 async def _unless_stopped(work: asyncio.Future[Any], stop: asyncio.Event) -> bool:
     """Waits for `work` until `stop` is set; True when `work` is done (it is left running if not)."""
     stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
+    try:
+        await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
     return work.done()
 
 
 async def _stop_unserved(
-    engine: Engine, servicer: DecoderServicer, running: RunningServer, telemetry: Telemetry, outcome: Outcome
-) -> Outcome:
+    engine: Engine, servicer: DecoderServicer, running: RunningServer, telemetry: Telemetry
+) -> None:
     """Closes a loaded engine that never served (no call reached it): nothing to drain."""
-    engine.shutdown()
+    await _in_turn(
+        engine.shutdown,
+        lambda: _close_encoder_parts(servicer),
+        lambda: running.stop(UNSERVED_GRACE_S),
+        telemetry.shutdown,
+    )
+    log.info("stopped")
+
+
+async def _close_encoder_parts(servicer: DecoderServicer) -> None:
     if servicer.encoder_parts is not None:
         await servicer.encoder_parts.close()
-    await running.stop(UNSERVED_GRACE_S)
-    telemetry.shutdown()
-    log.info("stopped")
-    return outcome
+
+
+async def _in_turn(*steps: Callable[[], Awaitable[object] | None]) -> None:
+    """Takes each of `steps` (a call, or a call whose awaitable is awaited) in turn, whatever an earlier
+    one raised: one release that fails must not leave the next thing held (an engine thread that the
+    interpreter's exit joins, a port still bound, spans never flushed). An error is raised once all
+    were taken: the last, any earlier one its __context__, as nested `finally` blocks give."""
+    async with contextlib.AsyncExitStack() as stack:
+        for step in reversed(steps):  # a stack takes them last in, first out
+            stack.push_async_callback(_take, step)
+
+
+async def _take(step: Callable[[], Awaitable[object] | None]) -> None:
+    taken = step()
+    if taken is not None:
+        await taken
 
 
 def _load_engine(config: DecoderConfig, rank: RankInfo | None) -> Engine:
