@@ -2,7 +2,8 @@
 the group agreed on (KvPoolRefused) is every rank's: they stop by themselves and are only waited for.
 Any other ConfigError (the port taken since it was checked) is rank 0's alone, while the others still
 load: they are ended at once. Every ConfigError was taken for the agreed refusal: rank 0 waited 5 s
-for each loading rank and logged a false ERROR that it 'did not exit' before killing it."""
+for each loading rank and logged a false ERROR that it 'did not exit' before killing it. Any other
+error ends them as a failed rank 0 does."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class SpawnedRank:
 
 
 def serve_ranks_failing(
-    error: ConfigError, rank: SpawnedRank, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    error: BaseException, rank: SpawnedRank, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Rank 0 of two, whose serve raises `error`; the error must come out of serve_ranks."""
 
@@ -57,7 +58,7 @@ def serve_ranks_failing(
     monkeypatch.setattr(rank_group, "serve", serve)
     monkeypatch.setattr(rank_group, "_spawn_ranks", lambda *_: [rank])
     config = DecoderConfig(engine=EngineConfig(model_dir=Path("m")), world_size=2)
-    with caplog.at_level(logging.INFO), pytest.raises(ConfigError) as raised:
+    with caplog.at_level(logging.INFO), pytest.raises(type(error)) as raised:
         rank_group.serve_ranks(config, RankInfo.local(0, 2, 1))
     assert raised.value is error
 
@@ -79,6 +80,25 @@ def test_the_agreed_pool_refusal_waits_for_the_ranks_stopping_by_themselves(
     serve_ranks_failing(refused, stopping, monkeypatch, caplog)
     assert (stopping.signals, stopping.exitcode) == ([], 2)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [AssertionError("a bug"), OSError(24, "Too many open files"), KeyboardInterrupt()],
+    ids=["a bug", "an OSError", "KeyboardInterrupt"],
+)
+def test_any_other_error_of_rank_0_ends_its_ranks_rather_than_leave_them_orphans(
+    error: BaseException, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only the two ConfigErrors ended them: any other error left ranks 1..N-1 running (loading, or
+    waiting on collectives) after rank 0's process exited, each holding its memory until the group's
+    timeout. One told to stop exits by itself; one still loading is ended, and named."""
+    told, loading = SpawnedRank(stops_by_itself=True), SpawnedRank(stops_by_itself=False)
+    serve_ranks_failing(error, told, monkeypatch, caplog)
+    assert (told.signals, told.exitcode) == ([], 2)
+    serve_ranks_failing(error, loading, monkeypatch, caplog)
+    assert (loading.signals, loading.exitcode) == (["terminate"], -15)
+    assert "ending tandem-rank-1: still running 1 s after rank 0 failed" in caplog.text
 
 
 def serve_ranks_failed(rank: SpawnedRank, monkeypatch: pytest.MonkeyPatch) -> int:

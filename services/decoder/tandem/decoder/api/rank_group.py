@@ -52,6 +52,11 @@ def serve_ranks(config: DecoderConfig, rank: RankInfo | None) -> int:
         except ConfigError:  # e.g. the port, taken since it was checked: rank 0's alone, the ranks still load
             _end_loading_ranks(workers)
             raise
+        except BaseException:  # a bug, an OSError, a KeyboardInterrupt: no rank outlives rank 0 as an orphan
+            # Whether they still load or were told to stop (serve shuts its engine down whatever ended
+            # it), as for a rank 0 that failed: a told rank exits by itself, the rest are ended.
+            _end_failed_ranks(workers)
+            raise
         if outcome is Outcome.ABANDONED:
             _end_loading_ranks(workers)
         elif outcome is Outcome.FAILED:
