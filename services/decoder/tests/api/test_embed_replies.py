@@ -7,6 +7,7 @@ test_encoder_parts_faults.py.)"""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from tandem.client.errors import Unavailable
 from tandem.common.server import RunningServer
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, TextPrompt
+from tandem.decoder.api import embed_replies
 from tandem.decoder.api.embed_replies import READ_ON_A_THREAD_BYTES, EmbedReplies
 from tandem.decoder.api.encoder_parts import EncoderParts
 
@@ -111,3 +113,20 @@ async def test_rows_over_a_mebibyte_are_checked_off_the_event_loop(
     finally:
         await parts.close()
     assert checked_on == [False, True]
+
+
+def test_a_probe_made_before_its_segment_maps_failed_is_closed_not_leaked(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe's file and descriptor (which holds its lock) were made first: a SegmentMaps that then
+    raised (its sweeper's thread refused, its kernels' load) left both for the life of the process."""
+
+    def refused(*_: object, **__: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(embed_replies.shm_segment_maps, "SegmentMaps", refused)
+    num_fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        EmbedReplies(torch.float32, HIDDEN_SIZE, 4 << 20, tmp_path)
+    assert len(os.listdir("/proc/self/fd")) == num_fds
+    assert list(tmp_path.iterdir()) == []  # its file too

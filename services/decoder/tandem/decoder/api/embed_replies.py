@@ -44,11 +44,16 @@ class EmbedReplies:
         self.probe = shm_probe.Probe.create(shm_dir)  # None: shared memory is never offered
         # The encoder's pool segments, mapped once each and read through the mapping every later call,
         # each read copied and digested in one pass where this CPU has the fused kernel.
-        self.maps = (
-            shm_segment_maps.SegmentMaps(shm_dir, copy_digest=copy_digest.for_cpu())
-            if self.probe is not None
-            else None
-        )
+        try:
+            self.maps = (
+                shm_segment_maps.SegmentMaps(shm_dir, copy_digest=copy_digest.for_cpu())
+                if self.probe is not None
+                else None
+            )
+        except BaseException:  # its kernels, its sweeper's thread: no object is returned to close the probe
+            if self.probe is not None:
+                self.probe.close()  # its file and the descriptor holding its lock
+            raise
         # An embedding tensor can never be larger than a message, as for the caller's own tensors.
         self.limits = tensors.TensorLimits(max_elements=max_message_bytes // 2)
         self.num_shared = 0  # replies read from shared memory
