@@ -69,6 +69,18 @@ async def _drive(address: str, cancel_some: bool) -> dict[str, int]:
     return outcomes
 
 
+def _settled_resources() -> tuple[int, int]:
+    """The fewest threads and descriptors seen over half a second: the last run's server-side sockets
+    close a few milliseconds after its client's (0-6 ms measured), and a baseline taken before they did
+    counted 1-2 descriptors too many in 4 of 6 runs under load, room for as many leaked ones."""
+    samples = []
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        samples.append(_resources())
+        time.sleep(0.02)
+    return min(threads for threads, _ in samples), min(fds for _, fds in samples)
+
+
 def _no_growth(baseline: tuple[int, int]) -> bool:
     """Threads and descriptors settle back to at most their starting counts (a leak only grows)."""
     deadline = time.monotonic() + 10
@@ -83,7 +95,7 @@ def _no_growth(baseline: tuple[int, int]) -> bool:
 def test_200_streams_finish_or_are_refused_beyond_the_queue_and_leave_nothing(services: Services) -> None:
     asyncio.run(_drive(services.decoder_server.address, cancel_some=False))  # warm every lazy pool
     assert services.idle()
-    baseline = _resources()
+    baseline = _settled_resources()
     outcomes = asyncio.run(_drive(services.decoder_server.address, cancel_some=False))
     print(f"load outcomes: {outcomes}")
     assert set(outcomes) <= {"OK", "RESOURCE_EXHAUSTED"}
@@ -97,7 +109,7 @@ def test_200_streams_finish_or_are_refused_beyond_the_queue_and_leave_nothing(se
 
 def test_cancel_storm_leaves_no_request_block_thread_or_descriptor(services: Services) -> None:
     assert services.idle()
-    baseline = _resources()
+    baseline = _settled_resources()
     outcomes = asyncio.run(_drive(services.decoder_server.address, cancel_some=True))
     print(f"cancel storm outcomes: {outcomes}")
     assert outcomes.get("CANCELLED", 0) > 0
