@@ -5,6 +5,10 @@ until the cut."""
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
 from tandem.common.running_server import DRAIN_NOTICE_S
 from tandem.decoder.api.drain import CUT_S, drain
 
@@ -36,3 +40,46 @@ async def test_a_long_grace_gives_the_whole_notice() -> None:
     server = _Server()
     await drain(server, _Engine(), grace_s=30)  # type: ignore[arg-type]
     assert server.stops == [(30 + CUT_S, DRAIN_NOTICE_S)]
+
+
+class _SlowServer(_Server):
+    """A stop that outlasts the grace, as one with streams still open does."""
+
+    def __init__(self, stop_s: float, fails: bool = False) -> None:
+        super().__init__()
+        self.stop_s = stop_s
+        self.fails = fails
+        self.stopped = False
+
+    async def stop(self, grace_s: float | None, notice_s: float | None = None) -> None:
+        await super().stop(grace_s, notice_s)
+        await asyncio.sleep(self.stop_s)
+        self.stopped = True
+        if self.fails:
+            raise RuntimeError("the stop failed")
+
+
+class _FailingEngine(_Engine):
+    def finish_all(self, reason: object) -> int:
+        super().finish_all(reason)
+        raise RuntimeError("finish_all failed")
+
+
+async def test_a_finish_all_that_raises_still_leaves_the_server_stopped_and_goes_on() -> None:
+    """finish_all raising left the server's stop running unawaited: drain's caller went on (releasing
+    what the server's handlers use) while the server was still stopping."""
+    server = _SlowServer(stop_s=0.2)
+    with pytest.raises(RuntimeError, match="finish_all failed"):
+        await drain(server, _FailingEngine(), grace_s=0.05)  # type: ignore[arg-type]
+    assert server.stopped
+
+
+async def test_of_a_finish_all_and_a_stop_that_both_raise_finish_alls_goes_on_and_the_stops_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = _SlowServer(stop_s=0.2, fails=True)
+    with pytest.raises(RuntimeError, match="finish_all failed"):
+        await drain(server, _FailingEngine(), grace_s=0.05)  # type: ignore[arg-type]
+    assert server.stopped
+    [record] = [r for r in caplog.records if r.name == "tandem.decoder"]
+    assert record.levelname == "ERROR" and "the stop failed" in caplog.text

@@ -28,6 +28,15 @@ async def drain(running: RunningServer, engine: Engine, grace_s: float) -> None:
     stopping = asyncio.ensure_future(running.stop(grace_s + CUT_S, notice_s=notice_within(grace_s)))
     done, _ = await asyncio.wait({stopping}, timeout=grace_s)
     if not done:
-        num_aborted = engine.finish_all(FinishReason.ABORTED)
+        try:
+            num_aborted = engine.finish_all(FinishReason.ABORTED)
+        except BaseException:
+            # The server still stops (gRPC cuts the streams left at the stop's deadline): the stop was
+            # left running unawaited, and whoever handles this error went on with the server half
+            # stopped. finish_all's error is the one that goes on; the stop's own is logged.
+            await asyncio.wait({stopping})
+            if not stopping.cancelled() and (stop_error := stopping.exception()) is not None:
+                log.error("the server's stop failed too", exc_info=stop_error)
+            raise
         log.info("grace period over: %d open requests end with FINISH_REASON_ABORTED", num_aborted)
     await stopping
