@@ -10,10 +10,13 @@ model: test_encoder_model.py; where a spec's parts stand: test_spec_encoder_part
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
+from tandem.client.client import EncoderClient
 from tandem.client.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from tandem.client.pb.tandem.v1 import encoder_pb2
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, TextPrompt
@@ -294,3 +297,43 @@ async def test_a_prompt_its_sizes_rule_out_is_refused_before_any_part_is_fetched
     # A call without encoder parts is not checked here: the engine's own check is enough.
     assert parts.start(GenerateSpec(prompt=[TextPrompt("a")]), None, None, check=refuse)[1] == []
     assert len(seen) == 1
+
+
+async def test_encoder_parts_that_fail_to_start_leave_no_channel_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The channel was made first: an EmbedReplies that then raised (its sweeper's thread refused, its
+    kernels' load) left it open, and nothing was returned to close it."""
+    opened: list[EncoderClient] = []
+
+    class Opened(EncoderClient):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            opened.append(self)
+
+    def refused(*_: object, **__: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(encoder_parts, "EncoderClient", Opened)
+    monkeypatch.setattr(encoder_parts, "EmbedReplies", refused)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        EncoderParts("127.0.0.1:9", torch.float32, 4 << 20, 0, shm_dir=tmp_path)
+    # grpc.aio has no public word on whether a channel is closed; its core channel's is the one.
+    assert [client for client in opened if not client.channel._channel.closed()] == []
+
+
+def test_encoder_parts_whose_channel_fails_to_open_close_the_replies_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replies' probe is made before the channel: a channel that then failed to open would leave
+    the probe's file and its locked descriptor for the life of the process."""
+
+    def refused(*_: object, **__: object) -> None:
+        raise ValueError("no such target")
+
+    monkeypatch.setattr(encoder_parts, "EncoderClient", refused)
+    num_fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ValueError, match="no such target"):
+        EncoderParts("127.0.0.1:9", torch.float32, 4 << 20, 0, shm_dir=tmp_path)
+    assert len(os.listdir("/proc/self/fd")) == num_fds
+    assert list(tmp_path.iterdir()) == []  # the probe's file too

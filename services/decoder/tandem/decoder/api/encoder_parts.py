@@ -154,11 +154,18 @@ class EncoderParts:
             model_dir,
             model_name,
         )
-        self.client = EncoderClient(address, max_message_bytes, telemetry)
-        self.encoder_model = EncoderModel(address, self.client, model_check, shm_dir)
         self.cache = EmbeddingCache(cache_bytes)
         self.shm_dir = shm_dir
+        # The replies' probe (a file, a locked descriptor, a sweeper's thread) before the channel, whose
+        # close is a coroutine: made the other way round, an EmbedReplies that raised left the channel
+        # open, nothing returned to close it.
         self.replies = EmbedReplies(dtype, hidden_size, max_message_bytes, shm_dir)
+        try:
+            self.client = EncoderClient(address, max_message_bytes, telemetry)
+        except BaseException:
+            self.replies.close()
+            raise
+        self.encoder_model = EncoderModel(address, self.client, model_check, shm_dir)
         self._traces_itself = telemetry is not None and telemetry.is_tracing
         # The fetches running, by cache key and the caller's bearer token: a fetch of one joins them.
         self.fetches: SharedFetches[torch.Tensor] = SharedFetches()
