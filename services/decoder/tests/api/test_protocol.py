@@ -1,5 +1,6 @@
 """Proto <-> engine conversion: prompt logprobs (the option in, the entries out, unset fields as marks),
-each token's own bytes with logprobs, and the field paths of what cannot be converted."""
+each token's own bytes with logprobs, the field paths of what cannot be converted, and max_new_tokens
+as the stopping criteria give it (its default, and cap_to_context)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from tandem.decoder.api.protocol import event_to_pb, spec_from_pb
 from tandem.decoder.engine.outputs.outputs import Delta, TopLogprobs
 from tandem.decoder.engine.outputs.prompt_logprobs import PromptLogprob
 from tandem.decoder.engine.outputs.token_bytes import TokenBytes, token_bytes_table
+from tandem.decoder.models.loader import LoadedModel
 
+from ..engine.admission.test_prompt import _build
 from ..engine.outputs.test_detokenizer import BYTE_LEVEL, EOS
 
 
@@ -155,3 +158,36 @@ def test_entries_spell_each_token_by_its_own_bytes_as_a_deltas_tokens_are() -> N
     assert token.token_bytes == b"b" and list(token.top_logprobs.token_bytes) == [b" a", b"b"]
     unspelled = event_to_pb(delta).delta.prompt_logprobs[2]  # no table: nothing, as an older decoder's
     assert not unspelled.HasField("token_bytes") and not unspelled.top_logprobs.token_bytes
+
+
+def _stopping(**stopping: int | bool) -> decoder_pb2.GenerateRequest:
+    request = decoder_pb2.GenerateRequest(
+        prompt=[decoder_pb2.PromptSegment(token_ids=tensor_pb2.TokenIds(ids=list(range(10))))]
+    )
+    for name, value in stopping.items():
+        setattr(request.stopping, name, value)
+    return request
+
+
+def _max_new_tokens(loaded: LoadedModel, request: decoder_pb2.GenerateRequest) -> int:
+    """max_new_tokens of `request` (a prompt of 10 positions) built in a context of 1,000: room for more
+    than the default 256."""
+    spec = spec_from_pb(request, tensors.DEFAULT_LIMITS, None)
+    return _build(loaded, spec, max_model_len=1000).stopping.max_new_tokens
+
+
+def test_cap_to_context_without_max_new_tokens_runs_until_the_context_is_full_not_256(
+    tiny_fp32: LoadedModel,
+) -> None:
+    assert _max_new_tokens(tiny_fp32, _stopping(cap_to_context=True)) == 1000 - 10
+    assert _max_new_tokens(tiny_fp32, _stopping()) == 256  # a gRPC caller's default stays
+
+
+def test_cap_to_context_caps_a_max_new_tokens_that_does_not_fit_which_is_refused_without_it(
+    tiny_fp32: LoadedModel,
+) -> None:
+    assert _max_new_tokens(tiny_fp32, _stopping(cap_to_context=True, max_new_tokens=5000)) == 990
+    assert _max_new_tokens(tiny_fp32, _stopping(cap_to_context=True, max_new_tokens=16)) == 16
+    with pytest.raises(InvalidArgument) as refused:
+        _max_new_tokens(tiny_fp32, _stopping(max_new_tokens=5000))
+    assert refused.value.field == "stopping.max_new_tokens"

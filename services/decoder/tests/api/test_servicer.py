@@ -1,5 +1,6 @@
 """DecoderServicer.Generate against a stand-in engine: a delta carrying prompt logprobs is built off the
-event loop, in the stream's order; the engine is told the most bytes a reply may take."""
+event loop, in the stream's order; the engine is told the most bytes a reply may take. And the bound on
+new tokens its span records."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
+from tandem.client import telemetry as otel
 from tandem.client.errors import FailedPrecondition, InvalidArgument, TandemError
 from tandem.client.pb.tandem.v1 import decoder_pb2, encoder_pb2, tensor_pb2
+from tandem.common.torch_part import tensors
 from tandem.decoder.api import protocol
 from tandem.decoder.api.encoder_parts import EncoderParts
-from tandem.decoder.api.servicer import DecoderServicer
+from tandem.decoder.api.servicer import DecoderServicer, _request_attributes
 from tandem.decoder.engine.admission.prompt import GenerateSpec, check_spec
 from tandem.decoder.engine.outputs.outputs import Accepted, Delta, Event, Finished, FinishReason
 from tandem.decoder.engine.outputs.prompt_logprobs import PromptLogprob
@@ -257,3 +260,17 @@ async def test_a_call_the_build_refuses_for_a_rule_that_reads_no_position_is_ref
         await parts.close()
     assert caught.value.field.startswith(field) and "positions" not in caught.value.description
     assert parts.fetches.num_started == 0 and not engine.specs
+
+
+def test_the_span_records_the_max_tokens_asked_and_none_where_none_was_asked() -> None:
+    def max_tokens(**stopping: int | bool) -> object:
+        request = decoder_pb2.GenerateRequest(prompt=[decoder_pb2.PromptSegment(text="hi")])
+        for name, value in stopping.items():
+            setattr(request.stopping, name, value)
+        spec = protocol.spec_from_pb(request, tensors.DEFAULT_LIMITS, None)
+        return _request_attributes(spec, 0, 1).get(otel.GEN_AI_REQUEST_MAX_TOKENS)
+
+    assert max_tokens(max_new_tokens=5) == 5
+    assert max_tokens(max_new_tokens=16, cap_to_context=True) == 16
+    assert max_tokens() == 256  # the default's bound, capped to the context at admission
+    assert max_tokens(cap_to_context=True) is None  # not the 4294967295 that stands for no bound

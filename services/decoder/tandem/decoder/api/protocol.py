@@ -36,6 +36,10 @@ from tandem.decoder.engine.params import SamplingParams, StoppingParams, Structu
 from tandem.decoder.engine.sampling.structured import MAX_CHOICES
 from tandem.decoder.engine.scheduling.adapters import Adapter
 
+# max_new_tokens with no bound but the context (cap_to_context, unset): the most the wire's uint32 asks,
+# which the cap to the context then makes the room the prompt leaves.
+NO_BOUND = 2**32 - 1
+
 _REASONS = {
     FinishReason.LENGTH: decoder_pb2.FINISH_REASON_LENGTH,
     FinishReason.EOS: decoder_pb2.FINISH_REASON_EOS,
@@ -161,18 +165,20 @@ def _sampling_from_pb(s: decoder_pb2.SamplingParams, out: decoder_pb2.OutputOpti
 
 
 def _stopping_from_pb(s: decoder_pb2.StoppingCriteria) -> tuple[StoppingParams, bool]:
-    """The params, and whether max_new_tokens was left to the default (then capped to the context)."""
+    """The params, and whether max_new_tokens is capped to the context: left to the default, or
+    cap_to_context (then unset is NO_BOUND, which the cap makes the room the prompt leaves)."""
     explicit = s.HasField("max_new_tokens")
+    default = NO_BOUND if s.cap_to_context else StoppingParams().max_new_tokens
     return (
         StoppingParams(
-            max_new_tokens=s.max_new_tokens if explicit else StoppingParams().max_new_tokens,
+            max_new_tokens=s.max_new_tokens if explicit else default,
             min_new_tokens=s.min_new_tokens,
             stop=tuple(s.stop_sequences),
             stop_token_ids=tuple(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
             include_stop_in_output=s.include_stop_in_output,
         ),
-        not explicit,
+        not explicit or s.cap_to_context,
     )
 
 

@@ -280,13 +280,15 @@ def _request_attributes(
 ) -> dict[str, object]:
     sampling, stopping = spec.sampling, spec.stopping
     attributes: dict[str, object] = {
-        otel.GEN_AI_REQUEST_MAX_TOKENS: stopping.max_new_tokens,
         otel.GEN_AI_REQUEST_TEMPERATURE: sampling.temperature,
         otel.GEN_AI_REQUEST_TOP_P: sampling.top_p,
         otel.GEN_AI_REQUEST_TOP_K: sampling.top_k,
         otel.TANDEM_PROMPT_EMBEDDING_POSITIONS: num_embedding_positions,
         otel.TANDEM_WORLD_SIZE: world_size,
     }
+    # No bound asked (cap_to_context, max_new_tokens unset): none recorded, as the client's span does.
+    if not (spec.cap_max_new_tokens and stopping.max_new_tokens == protocol.NO_BOUND):
+        attributes[otel.GEN_AI_REQUEST_MAX_TOKENS] = stopping.max_new_tokens
     if sampling.seed is not None:
         attributes[otel.GEN_AI_REQUEST_SEED] = sampling.seed
     if stopping.stop:

@@ -406,9 +406,10 @@ class StoppingCriteria(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     INCLUDE_STOP_IN_OUTPUT_FIELD_NUMBER: _builtins.int
+    CAP_TO_CONTEXT_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """Most tokens to generate, >= 1. Default: 256, capped so prompt + output fit the context;
-    a value set explicitly that does not fit is INVALID_ARGUMENT.
+    a value set explicitly that does not fit is INVALID_ARGUMENT (unless cap_to_context).
     """
     min_new_tokens: _builtins.int
     """EOS and stop tokens are suppressed until this many tokens were generated, <= max_new_tokens,
@@ -420,6 +421,13 @@ class StoppingCriteria(_message.Message):
     """Keep generating past the model's EOS IDs. Default false."""
     include_stop_in_output: _builtins.bool
     """Include the matched stop string or stop token's text in the output. Default false."""
+    cap_to_context: _builtins.bool
+    """Fit max_new_tokens to the context. Set, a max_new_tokens that does not fit is capped so prompt +
+    output fit instead of INVALID_ARGUMENT, and an unset one is no bound of its own (not 256):
+    generation runs until it stops or the context is full, as OpenAI's chat without max_tokens does
+    (and max_new_tokens 16 with it is OpenAI's completions default, cut shorter by a prompt near the
+    context's end). Default false.
+    """
     @_builtins.property
     def stop_sequences(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Stop strings (at most 16, each 1-256 characters). They may span tokens: text that could still
@@ -439,10 +447,11 @@ class StoppingCriteria(_message.Message):
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         ignore_eos: _builtins.bool = ...,
         include_stop_in_output: _builtins.bool = ...,
+        cap_to_context: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "max_new_tokens", b"max_new_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "ignore_eos", b"ignore_eos", "include_stop_in_output", b"include_stop_in_output", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "stop_sequences", b"stop_sequences", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "cap_to_context", b"cap_to_context", "ignore_eos", b"ignore_eos", "include_stop_in_output", b"include_stop_in_output", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "stop_sequences", b"stop_sequences", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_new_tokens: _TypeAlias = _typing.Literal["max_new_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_new_tokens: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens"]  # noqa: Y015
