@@ -56,7 +56,9 @@ async def test_n_gives_n_distinct_choices_indexed_in_order_and_reproducible_with
 async def test_a_batch_of_two_prompts_times_n_two_is_numbered_prompt_by_prompt() -> None:
     async with fake_decoder() as (_, address), live_gateway(address) as url:
         for prompt, shown in ((["one", "two"], ["one", "two"]), ([[1, 2], [3]], ["ids:1,2", "ids:3"])):
-            status, answer = await _post(f"{url}/completions", {"prompt": prompt, "n": 2, "seed": 0})
+            status, answer = await _post(
+                f"{url}/completions", {"prompt": prompt, "n": 2, "seed": 0, "max_tokens": 2}
+            )
             assert status == 200, answer
             assert [(c["index"], c["text"]) for c in answer["choices"]] == [
                 (0, f"<{shown[0]}> seed=0"),
@@ -127,7 +129,7 @@ async def test_a_chat_stream_opens_every_choice_and_gives_each_its_logprobs() ->
 
 
 async def test_a_completion_streams_text_offsets_per_choice() -> None:
-    body = {"prompt": "ab", "n": 2, "stream": True, "logprobs": 1}
+    body = {"prompt": "ab", "n": 2, "stream": True, "logprobs": 1, "max_tokens": 2}
     async with fake_decoder() as (_, address), live_gateway(address) as url:
         _, events = await _post(f"{url}/completions", body)
     for index in (0, 1):

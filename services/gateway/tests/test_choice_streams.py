@@ -40,7 +40,7 @@ async def _events(streams: ChoiceStreams) -> list[tuple[int, decoder_pb2.Generat
 
 
 async def test_every_choices_events_arrive_each_ending_with_its_finish() -> None:
-    async with _streams({"prompt": ["a", "b"], "n": 2, "seed": 1}) as (streams, decoder):
+    async with _streams({"prompt": ["a", "b"], "n": 2, "seed": 1, "max_tokens": 2}) as (streams, decoder):
         await streams.start()
         events = await _events(streams)
     texts: dict[int, str] = {}

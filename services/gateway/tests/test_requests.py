@@ -12,6 +12,7 @@ from tandem.gateway.calls import ImagePart
 from tandem.gateway.chat_request import chat_request
 from tandem.gateway.completion_request import completion_request
 from tandem.gateway.embed_request import embed_request
+from tandem.gateway.errors import body_field
 from tandem.gateway.images import as_encoder_parts
 
 LIMITS = BodyLimits.for_chat(256, 16)
@@ -163,6 +164,55 @@ HOSTILE_CHAT = {
     "top_logprobs with logprobs false": ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
     "a text part without its text": (_user({"type": "text"}), "messages[0].content[0].text"),
     "a text part of a number": (_user({"type": "text", "text": 5}), "messages[0].content[0].text"),
+    # vLLM >= 0.12's spelling of structured output: its keys Tandem lacks, and two at once, are refused
+    "structured_outputs a list": ({"structured_outputs": ["x"]}, "structured_outputs"),
+    "structured_outputs.choice of numbers": (
+        {"structured_outputs": {"choice": [1]}}, "structured_outputs.choice"
+    ),
+    "structured_outputs.regex a number": ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex"),
+    "structured_outputs.json a number": ({"structured_outputs": {"json": 5}}, "structured_outputs.json"),
+    "structured_outputs.json_object a string": (
+        {"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object"
+    ),
+    "structured_outputs of two kinds": (
+        {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice"
+    ),
+    "structured_outputs.structural_tag": (
+        {"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"
+    ),
+    "structured_outputs.whitespace_pattern": (
+        {"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"
+    ),
+    "structured_outputs.disable_any_whitespace": (
+        {"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
+        "structured_outputs.disable_any_whitespace",
+    ),
+    "structured_outputs.disable_fallback a string": (
+        {"structured_outputs": {"disable_fallback": "no"}}, "structured_outputs.disable_fallback"
+    ),
+    "structured_outputs beside guided_choice": (
+        {"guided_choice": ["a"], "structured_outputs": {"choice": ["b"]}}, "structured_outputs.choice"
+    ),
+    "structured_outputs beside response_format": (
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+        "structured_outputs.regex",
+    ),
+    # vLLM's extras on tokenizing, done one way here: any other way is refused, not answered as if done
+    "truncate_prompt_tokens": ({"truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+    "truncate_prompt_tokens -1": ({"truncate_prompt_tokens": -1}, "truncate_prompt_tokens"),
+    "skip_special_tokens false": ({"skip_special_tokens": False}, "skip_special_tokens"),
+    "spaces_between_special_tokens false": (
+        {"spaces_between_special_tokens": False}, "spaces_between_special_tokens"
+    ),
+    "add_special_tokens true": ({"add_special_tokens": True}, "add_special_tokens"),
+    "return_tokens_as_token_ids true": ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    "skip_special_tokens a string": ({"skip_special_tokens": "false"}, "skip_special_tokens"),
+    "parallel_tool_calls a string": ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    "parallel_tool_calls 0": ({"parallel_tool_calls": 0}, "parallel_tool_calls"),
+    # Rounded to the decoder's float32 the value was 0.0 or inf, which the decoder refused as such
+    "top_p below float32's least": ({"top_p": 1e-46}, "top_p"),
+    "temperature past float32": ({"temperature": 1e39}, "temperature"),
+    "logit_bias value past float32": ({"logit_bias": {"5": -1e39}}, "logit_bias"),
 }  # fmt: skip
 
 
@@ -501,3 +551,96 @@ def test_an_embeddings_error_is_named_after_the_input_that_failed() -> None:
     assert several.input_field(2, "image") == "input[2].data"
     assert several.input_field(2, "model") == "model"  # not an input's field
     assert embed_request({"input": "a"}, EMBED_LIMITS).input_field(0, "text") == "input"
+
+
+def test_a_chat_without_max_tokens_runs_until_it_stops_or_the_context_is_full() -> None:
+    stopping = chat_request(CHAT, LIMITS).requests[0].stopping
+    assert stopping.cap_to_context and not stopping.HasField("max_new_tokens")  # not the decoder's 256
+    for name in ("max_tokens", "max_completion_tokens"):  # the caller's bound, which must fit
+        stopping = chat_request(CHAT | {name: 300}, LIMITS).requests[0].stopping
+        assert (stopping.max_new_tokens, stopping.cap_to_context) == (300, False)
+
+
+def test_a_completion_without_max_tokens_takes_16_cut_to_the_context() -> None:
+    for prompt in ("a", ["a", "b"]):
+        for request in completion_request({"prompt": prompt}, LIMITS).requests:
+            assert (request.stopping.max_new_tokens, request.stopping.cap_to_context) == (16, True)
+    stopping = completion_request({"prompt": "a", "max_tokens": 300}, LIMITS).requests[0].stopping
+    assert (stopping.max_new_tokens, stopping.cap_to_context) == (300, False)
+
+
+@pytest.mark.parametrize(
+    ("asked", "structured"),
+    [
+        ({"json": {"type": "object"}}, {"jsonSchema": '{"type": "object"}'}),
+        ({"json": '{"type": "string"}'}, {"jsonSchema": '{"type": "string"}'}),
+        ({"regex": "[ab]"}, {"regex": "[ab]"}),
+        ({"choice": ["yes", "no"]}, {"choice": {"choices": ["yes", "no"]}}),
+        ({"grammar": 'root ::= "a"'}, {"grammar": 'root ::= "a"'}),
+        ({"json_object": True}, {"jsonObject": True}),
+        # vLLM's defaults of what Tandem lacks pass; disable_fallback holds (there is no other backend)
+        ({"regex": "a", "json_object": False, "structural_tag": None}, {"regex": "a"}),
+        ({"regex": "a", "disable_any_whitespace": False, "disable_fallback": True}, {"regex": "a"}),
+    ],
+)
+def test_structured_outputs_is_the_constraint_its_guided_spelling_asks(asked: dict, structured: dict) -> None:
+    for convert, body in ((chat_request, CHAT), (completion_request, {"prompt": "a"})):
+        call = convert(body | {"structured_outputs": asked}, LIMITS)
+        assert json_format.MessageToDict(call.requests[0].structured) == structured
+        assert call.names.structured == f"structured_outputs.{next(iter(asked))}"
+
+
+def test_structured_outputs_asking_for_nothing_is_no_constraint_and_a_key_beside_nulls_is_one() -> None:
+    for asked in ({}, {"json_object": False}, {"json": None}):
+        call = chat_request(CHAT | {"structured_outputs": asked}, LIMITS)
+        assert not call.requests[0].HasField("structured") and call.names.structured is None
+    call = chat_request(CHAT | {"structured_outputs": {"json": None, "regex": "a"}}, LIMITS)
+    assert call.requests[0].structured.regex == "a"
+
+
+def test_a_decoders_error_on_a_structured_outputs_key_names_that_key() -> None:
+    names = chat_request(CHAT | {"structured_outputs": {"regex": "("}}, LIMITS).names
+    assert body_field("structured.regex", names) == "structured_outputs.regex"
+
+
+def test_tokenizing_extras_pass_as_done_here_or_null_and_are_refused_saying_what_is_done() -> None:
+    body = CHAT | {
+        "skip_special_tokens": True,
+        "spaces_between_special_tokens": True,
+        "add_special_tokens": False,
+        "return_tokens_as_token_ids": False,
+        "truncate_prompt_tokens": None,
+        "parallel_tool_calls": False,  # OpenAI's bool: with tools refused, no call is made either way
+    }
+    assert chat_request(body, LIMITS).requests[0].chat.messages
+    assert completion_request({"prompt": "a", "parallel_tool_calls": True}, LIMITS).requests
+    with pytest.raises(InvalidArgument) as error:
+        completion_request({"prompt": "a", "skip_special_tokens": False}, LIMITS)
+    assert str(error.value) == (
+        "skip_special_tokens: is not supported as false: the answer's text leaves special tokens out"
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"top_p": 1e-46}, "top_p: 1e-46 rounds to 0 in float32, the decoder's type"),
+        ({"temperature": 1e39}, "temperature: 1e+39 overflows float32, the decoder's type"),
+        ({"min_p": -1e-50}, "min_p: -1e-50 rounds to 0 in float32, the decoder's type"),
+        ({"n": 0}, "n: must be in [1, 16] (the gateway's --max-choices"),
+        ({"n": -1}, "n: must be in [1, 16] (the gateway's --max-choices"),
+    ],
+)
+def test_a_refused_number_is_shown_as_sent_with_the_bound_that_holds(extra: dict, message: str) -> None:
+    with pytest.raises(InvalidArgument) as error:
+        chat_request(CHAT | extra, LIMITS)
+    assert str(error.value).startswith(message), str(error.value)
+
+
+def test_numbers_float32_holds_pass_as_sent_and_those_it_does_not_are_refused() -> None:
+    with pytest.raises(InvalidArgument, match="rounds to 0"):
+        chat_request(CHAT | {"top_p": 1e-46}, LIMITS)
+    sampling = (
+        chat_request(CHAT | {"top_p": 1e-45, "temperature": 3.4e38, "min_p": 0}, LIMITS).requests[0].sampling
+    )
+    assert sampling.top_p > 0 and sampling.temperature == pytest.approx(3.4e38) and sampling.min_p == 0

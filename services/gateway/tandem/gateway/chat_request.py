@@ -95,7 +95,9 @@ def chat_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
             content = ""
         turn.content.extend(_content_parts(content, f"messages[{i}].content", i, images))
     _template_options(body, request.chat)
-    names, n = common_parameters(body, request, limits, 1, max_tokens=("max_completion_tokens", "max_tokens"))
+    names, n = common_parameters(
+        body, request, limits, 1, max_tokens=("max_completion_tokens", "max_tokens"), default_max_tokens=None
+    )
     top = uint(body, "top_logprobs", 0, 20)  # OpenAI's bound
     if field(body, "logprobs", bool):
         request.output.logprobs = True

@@ -15,6 +15,9 @@ from tandem.gateway.fields import field, token_ids, uint
 from tandem.gateway.parameters import common_parameters, generate_call
 from tandem.gateway.tensors import tensor
 
+# max_tokens where the body sets none: OpenAI's and vLLM's CompletionRequest default.
+DEFAULT_MAX_TOKENS = 16
+
 
 def completion_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall:
     """POST /v1/completions -> a Generate request of prompt segments, or one per prompt of a batch."""
@@ -43,7 +46,14 @@ def completion_request(body: dict[str, Any], limits: BodyLimits) -> GenerateCall
             shape = PromptShape.SEGMENTS
     else:
         raise InvalidArgument("prompt", "must be a string, a list of token IDs, or a list of parts")
-    names, n = common_parameters(body, request, limits, max(len(batch), 1), max_tokens=("max_tokens",))
+    names, n = common_parameters(
+        body,
+        request,
+        limits,
+        max(len(batch), 1),
+        max_tokens=("max_tokens",),
+        default_max_tokens=DEFAULT_MAX_TOKENS,
+    )
     names = dataclasses.replace(names, prompt=shape)
     logprobs = uint(body, "logprobs", 0, 20)
     if logprobs is not None:

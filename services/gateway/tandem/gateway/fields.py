@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import reprlib
+import struct
 from typing import Any
 
 from tandem.client.errors import InvalidArgument
@@ -71,7 +72,24 @@ def number(body: dict[str, Any], name: str) -> float | None:
         raise InvalidArgument(name, "is too large") from None
     if not math.isfinite(converted):
         raise InvalidArgument(name, f"must be a finite number, got {shown(value)}")
-    return converted
+    return float32(converted, name, value)
+
+
+def float32(value: float, name: str, sent: Any) -> float:
+    """`value`, or InvalidArgument showing the number `sent` where the decoder's float32 would not
+    read it as that number: past its range it read inf and refused "got inf", and below its least
+    magnitude it read 0.0 (top_p 1e-46: "must be in (0, 1], got 0.0")."""
+    rounded = struct.unpack("f", struct.pack("f", value))[0]  # inf past float32's range
+    if math.isinf(rounded):
+        raise InvalidArgument(
+            name, f"{shown(sent)} overflows float32, the decoder's type (at most about 3.4e38)"
+        )
+    if value and not rounded:
+        raise InvalidArgument(
+            name,
+            f"{shown(sent)} rounds to 0 in float32, the decoder's type (its least magnitude is 1.4e-45)",
+        )
+    return value
 
 
 def token_ids(value: Any, path: str, max_ids: int) -> list[int] | None:

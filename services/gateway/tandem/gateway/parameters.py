@@ -11,7 +11,7 @@ from tandem.client.pb.tandem.v1 import decoder_pb2
 from tandem.gateway.body_limits import MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_TOKEN_IDS, BodyLimits, at_most
 from tandem.gateway.calls import GenerateCall, ImagePart
 from tandem.gateway.errors import BodyNames
-from tandem.gateway.fields import INT64_MIN, UINT32, UINT64, field, number, shown, uint
+from tandem.gateway.fields import INT64_MIN, UINT32, UINT64, field, float32, number, shown, uint
 from tandem.gateway.prompt_logprobs import prompt_logprobs
 from tandem.gateway.structured import structured_output
 
@@ -22,12 +22,15 @@ def common_parameters(
     limits: BodyLimits,
     num_prompts: int,
     max_tokens: tuple[str, ...],
+    default_max_tokens: int | None,
 ) -> tuple[BodyNames, int]:
     """The sampling and stopping parameters both endpoints share, and `n` against the bound on a
     request's choices (`num_prompts` x n); returns the body's names for the fields errors may name,
-    and n."""
+    and n. `default_max_tokens`: the endpoint's max_tokens where the body sets none, None for as many
+    as the context leaves."""
     request.model = field(body, "model", str) or ""
-    n = uint(body, "n", 1) or 1
+    n = field(body, "n", int)
+    n = 1 if n is None else n
     _bound_choices(num_prompts, n, limits.max_choices)
     best_of = uint(body, "best_of", 1)
     if best_of is not None and best_of < n:
@@ -41,6 +44,13 @@ def common_parameters(
     max_tokens_field = given[0][0] if given else max_tokens[-1]
     if given:
         request.stopping.max_new_tokens = given[0][1]
+    else:
+        # OpenAI's and vLLM's defaults, not the decoder's 256: a chat runs until it stops or the
+        # context is full, a completion takes 16 tokens, either cut to the room the prompt leaves (vLLM's
+        # max_model_len - prompt). A max_tokens the caller sent still has to fit, as in vLLM.
+        request.stopping.cap_to_context = True
+        if default_max_tokens is not None:
+            request.stopping.max_new_tokens = default_max_tokens
     field(body, "user", str)  # OpenAI's end-user ID: read by no one here, but of its type
     for name, target in (
         ("temperature", "temperature"),
@@ -110,7 +120,7 @@ def common_parameters(
             raise InvalidArgument(
                 "logit_bias", f"keys {shown(earlier)} and {shown(key)} both name token {token_id}"
             )
-        request.sampling.logit_bias[token_id] = float(value)
+        request.sampling.logit_bias[token_id] = float32(float(value), "logit_bias", value)
     prompt_logprobs(body, request)
     structured_field = structured_output(body, request)
     # vLLM's extras the decoder has no counterpart of: refused, not answered otherwise (a sample where
@@ -121,6 +131,7 @@ def common_parameters(
             raise InvalidArgument(name, "is not supported")
     if field(body, "allowed_token_ids", list) is not None:  # [] allows no token (vLLM refuses it too)
         raise InvalidArgument("allowed_token_ids", "is not supported")
+    _tokenizing(body)
     for name in ("tools", "functions"):  # [] asks for no tool: clients send it on plain turns
         if field(body, name, list):
             raise InvalidArgument(name, "tool calling is not supported")
@@ -133,6 +144,33 @@ def common_parameters(
                 name, f"tool calling is not supported: only 'none' or 'auto', got {shown(body[name])}"
             )
     return BodyNames(structured_field, max_tokens_field, is_stop_string=is_stop_string), n
+
+
+# vLLM's extras on how text becomes tokens and back, each of which the decoder does one way: that
+# way (vLLM's default, or what the decoder does where vLLM's default differs) and null pass; any other
+# value is refused, not answered as if it were honoured.
+_ONE_WAY = (
+    ("skip_special_tokens", True, "the answer's text leaves special tokens out"),
+    ("spaces_between_special_tokens", True, "special tokens are left out of the text"),
+    ("return_tokens_as_token_ids", False, "logprobs spell a token by its text where it has one"),
+    # vLLM's default for completions is true; the decoder tokenizes a prompt without special tokens,
+    # so that is what false says and true would not be done.
+    ("add_special_tokens", False, "the prompt is tokenized as sent, with no special tokens added"),
+)
+
+
+def _tokenizing(body: dict[str, Any]) -> None:
+    """vLLM's tokenizing extras the decoder does one way (`_ONE_WAY`), truncate_prompt_tokens, and
+    parallel_tool_calls (OpenAI's bool: with tool calling refused, no call is made either way)."""
+    for name, done, how in _ONE_WAY:
+        value = field(body, name, bool)
+        if value is not None and value is not done:
+            raise InvalidArgument(name, f"is not supported as {str(value).lower()}: {how}")
+    if field(body, "truncate_prompt_tokens", int) is not None:
+        raise InvalidArgument(
+            "truncate_prompt_tokens", "is not supported: a prompt longer than the context is refused"
+        )
+    field(body, "parallel_tool_calls", bool)
 
 
 def _stopping_extras(body: dict[str, Any], stopping: decoder_pb2.StoppingCriteria) -> None:
@@ -153,14 +191,18 @@ def _stopping_extras(body: dict[str, Any], stopping: decoder_pb2.StoppingCriteri
 def _bound_choices(num_prompts: int, n: int, max_choices: int) -> None:
     """A request's choices, its prompts x n, each a Generate stream, within `max_choices`; the error
     names `n`, or `prompt` where it is the batch that passes the limit."""
+    if not 1 <= n <= max_choices:  # the bound is --max-choices, not the proto's uint32
+        raise InvalidArgument(
+            "n",
+            f"must be in [1, {max_choices}] (the gateway's --max-choices, never above its "
+            f"--max-streams-per-caller), got {shown(n)}",
+        )
     if num_prompts * n <= max_choices:
         return
     bound = (
         f"the limit of {max_choices} choices a request (prompts x n, each a Generate stream: the "
         "gateway's --max-choices, never above its --max-streams-per-caller)"
     )
-    if n > max_choices:
-        raise InvalidArgument("n", f"{n} choices exceed {bound}")
     asked = (
         f"{num_prompts} prompts" if n == 1 else f"{num_prompts} prompts x n {n} = {num_prompts * n} choices"
     )
