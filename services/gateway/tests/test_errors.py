@@ -444,13 +444,13 @@ def test_grpcs_own_failure_of_a_call_names_the_service_not_its_address_and_is_lo
     "said",
     [
         "the decoder is loading, draining or has failed; retry later",
-        "messages[0].content[1].encoder: encoder 10.0.0.3:50051 did not answer within 30 s",
+        "messages[0].content[1].encoder: the encoder did not answer within 60 s; retry",
     ],
 )
 def test_a_services_own_unavailable_is_passed_on_as_it_said_it(said: str) -> None:
     """The services' own refusals (google.rpc details beside them) are meant for callers: the decoder
-    loading, an encoder it could not reach named by its address (the deployment's, as the caller's
-    `--encoder` part)."""
+    loading, an encoder part whose encoder did not answer (the decoder's words name no encoder's
+    address: that is its log's)."""
     answer = from_grpc(_rpc_error(grpc.StatusCode.UNAVAILABLE, said))
     assert (answer.status, answer.message) == (503, body_field(said))  # the part as the body gave it
 

@@ -44,7 +44,7 @@ async def test_a_malformed_reply_is_refused_to_every_caller_on_its_own_field(
         # The encoder's fault, never INVALID_ARGUMENT on the caller's field, as it was.
         with pytest.raises(Unavailable, match="expected rank 2") as error:
             await fetched_rows(part)
-        assert str(error.value).startswith(f"{field}.encoder: encoder {parts.address} is unavailable (")
+        assert str(error.value).startswith(f"{field}.encoder: the encoder is unavailable (")
         assert "its reply's .embeddings.shape: " in str(error.value)
     assert encoder.num_embeds == 1
 
@@ -58,7 +58,7 @@ async def test_rows_holding_nan_are_refused_and_not_cached_so_the_next_call_fetc
     [first], _ = start_fetches(parts, [picture()])
     with pytest.raises(Unavailable) as error:
         await fetched_rows(first)
-    assert str(error.value).startswith(f"prompt[0].encoder: encoder {parts.address} is unavailable (")
+    assert str(error.value).startswith("prompt[0].encoder: the encoder is unavailable (")
     assert "its reply's .embeddings.data: " in str(error.value)
     assert "NaN or Inf as sent, in float32 (first at index [1, 2])" in str(error.value)
     encoder.is_non_finite = False
@@ -70,7 +70,7 @@ async def test_rows_holding_nan_are_refused_and_not_cached_so_the_next_call_fetc
 async def test_rows_of_another_width_are_the_encoders_fault_and_not_cached_so_its_fix_mends_them(
     encoder: StandIn, parts: EncoderParts
 ) -> None:
-    """Rows [3, 2 x hidden] are the encoder's fault (another model), UNAVAILABLE naming it, as NaN is:
+    """Rows [3, 2 x hidden] are the encoder's fault (another model), UNAVAILABLE, as NaN is:
     they were INVALID_ARGUMENT on the caller's field, cached, and refused again once the encoder was
     fixed."""
     encoder.rows = torch.ones(3, 2 * HIDDEN_SIZE)
@@ -78,7 +78,7 @@ async def test_rows_of_another_width_are_the_encoders_fault_and_not_cached_so_it
     [first], _ = start_fetches(parts, [picture()])
     with pytest.raises(Unavailable) as error:
         await fetched_rows(first)
-    assert str(error.value).startswith(f"prompt[0].encoder: encoder {parts.address} is unavailable (")
+    assert str(error.value).startswith("prompt[0].encoder: the encoder is unavailable (")
     assert f"its reply's .embeddings.shape: rows [3, {2 * HIDDEN_SIZE}], this decoder's model takes" in str(
         error.value
     )

@@ -11,6 +11,7 @@ import logging
 import re
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -27,6 +28,8 @@ from tandem.client.pb.tandem.v1 import encoder_pb2_grpc
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.common.torch_part.prompt_parts import EncoderPrompt, TextPrompt
 from tandem.decoder.api import encoder_parts
+from tandem.decoder.api.encoder_errors import EncoderErrors
+from tandem.decoder.api.encoder_faults import unavailable
 from tandem.decoder.api.encoder_parts import EncoderParts
 
 from .encoder_stand_in import (
@@ -49,17 +52,26 @@ ENCODERS_CALL_LIMIT = ErrorInfo("CALL_LIMIT", "tandem.encoder", {"maxCalls": "1"
     ("encoders_delay_s", "passed_on_s"), [(3.5, 3.5), (None, 1.0), (-5.0, 1.0), (0.0, 1.0), (3e9, 1.0)]
 )
 async def test_an_encoder_full_is_passed_on_with_its_own_retry_delay_or_a_second_where_it_gave_none(
-    encoder: StandIn, parts: EncoderParts, encoders_delay_s: float | None, passed_on_s: float
+    encoder: StandIn,
+    parts: EncoderParts,
+    encoders_delay_s: float | None,
+    passed_on_s: float,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The caller retries when the encoder said it has room: its RetryInfo was dropped, every one
-    passed on as 1 s. An ErrorInfo not the encoder's own is not passed on."""
+    passed on as 1 s. An ErrorInfo not the encoder's own is not passed on. Which encoder was full is
+    the operator's to read (WARNING), not the caller's: it named the encoder's internal address."""
     encoder.refusal = ResourceExhausted("no room", encoders_delay_s, info=NOT_THE_ENCODERS)
     encoder.gate.set()
     (part,), _ = start_fetches(parts, [picture()])
-    with pytest.raises(ResourceExhausted) as error:
-        await fetched_rows(part)
-    assert "is full: no room" in error.value.message
+    with caplog.at_level(logging.WARNING, logger=encoder_parts.__name__):
+        with pytest.raises(ResourceExhausted) as error:
+            await fetched_rows(part)
+    assert error.value.message == "prompt[0].encoder: the encoder is full: no room"
     assert (error.value.retry_after_s, error.value.info) == (passed_on_s, None)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"an Embed call to encoder {parts.address} failed: RESOURCE_EXHAUSTED: no room"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -240,7 +252,8 @@ async def test_an_encoder_gRPC_cannot_reach_is_said_in_fixed_words_and_gRPCs_are
     """gRPC's own UNAVAILABLE (no status of the encoder's) went on as "is unavailable (UNAVAILABLE:
     failed to connect to all addresses; last error: ... ipv4:10.0.0.3:50051 ...)", gRPC's terms and
     the internal address, which the gateway passes on to HTTP callers unchanged (it carries the
-    decoder's status)."""
+    decoder's status); then as "encoder 10.0.0.3:50051 could not be reached", the address still in it.
+    The caller gets the part and what happened; the operator gets the address and gRPC's words."""
     address, parts = _parts_of_no_encoder(tmp_path)
     try:
         with caplog.at_level(logging.WARNING, logger=encoder_parts.__name__):
@@ -250,9 +263,11 @@ async def test_an_encoder_gRPC_cannot_reach_is_said_in_fixed_words_and_gRPCs_are
     finally:
         await parts.close()
     assert str(error.value) == (
-        f"prompt[0].encoder: encoder {address} could not be reached (no connection, or it was lost)"
+        "prompt[0].encoder: the encoder could not be reached (no connection, or it was lost); retry"
     )
-    assert f"an Embed call to encoder {address} failed: UNAVAILABLE: " in caplog.text
+    [record] = caplog.records
+    assert record.levelname == "WARNING"
+    assert record.getMessage().startswith(f"an Embed call to encoder {address} failed: UNAVAILABLE: ")
 
 
 async def test_a_request_of_five_parts_with_no_encoder_listening_logs_one_warning_line(
@@ -276,15 +291,54 @@ async def test_a_request_of_five_parts_with_no_encoder_listening_logs_one_warnin
     ]
 
 
-async def test_an_encoders_own_unavailable_keeps_its_words(encoder: StandIn, parts: EncoderParts) -> None:
+async def test_an_encoders_own_unavailable_keeps_its_words(
+    encoder: StandIn, parts: EncoderParts, caplog: pytest.LogCaptureFixture
+) -> None:
     """An UNAVAILABLE the encoder sent (its status with it: still loading, shutting down) is its own
-    word on why, passed on as it said it."""
+    word on why, passed on as it said it; which encoder said it is the operator's to read (WARNING)."""
     encoder.refusal = Unavailable("the encoder is still loading its model")
     encoder.gate.set()
     [part], _ = start_fetches(parts, [picture()])
-    with pytest.raises(Unavailable) as error:
-        await fetched_rows(part)
+    with caplog.at_level(logging.WARNING, logger=encoder_parts.__name__):
+        with pytest.raises(Unavailable) as error:
+            await fetched_rows(part)
     assert str(error.value) == (
-        f"prompt[0].encoder: encoder {parts.address} is unavailable "
-        "(UNAVAILABLE: the encoder is still loading its model)"
+        "prompt[0].encoder: the encoder is unavailable (UNAVAILABLE: the encoder is still loading its model)"
     )
+    said = "UNAVAILABLE: the encoder is still loading its model"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"an Embed call to encoder {parts.address} failed: {said}"
+    ]
+
+
+def test_a_faulty_reply_is_logged_though_the_encoder_was_unreachable_a_moment_before() -> None:
+    """Each kind of failure is logged once in a while on its own: a reply this decoder found wrong in
+    itself, right after gRPC could not reach that encoder, is a line of its own, not one of the
+    unreachable's counted. Neither caller's error names the encoder."""
+    logged: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    log = logging.getLogger("test_encoder_errors.kinds")
+    log.addHandler(Lines())
+    errors = EncoderErrors("10.0.0.5:50052", 1 << 20, log)
+    no_connection = grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "ipv4:10.0.0.5:50052: refused"
+    )
+    faulty = unavailable("its reply's .embeddings.shape: expected rank 2, got rank 1: [8]", None)
+    said = [
+        str(errors.named(no_connection, "prompt[0].encoder")),
+        str(errors.named(faulty, "prompt[1].encoder")),
+    ]
+    assert said == [
+        "prompt[0].encoder: the encoder could not be reached (no connection, or it was lost); retry",
+        "prompt[1].encoder: the encoder is unavailable "
+        "(UNAVAILABLE: its reply's .embeddings.shape: expected rank 2, got rank 1: [8])",
+    ]
+    assert logged == [
+        "an Embed call to encoder 10.0.0.5:50052 failed: UNAVAILABLE: ipv4:10.0.0.5:50052: refused",
+        "an Embed call to encoder 10.0.0.5:50052 failed: UNAVAILABLE: its reply's .embeddings.shape: "
+        "expected rank 2, got rank 1: [8]",
+    ]

@@ -1,10 +1,12 @@
-"""What an Embed call's failure was (`encoder_faults.py`): with several encoders balanced, an error names
-the replica that took the call, as it said when the call began, not the whole list. The encoders are
-stand-ins of encoder_stand_in.py, each saying its own name."""
+"""What an Embed call's failure was (`encoder_faults.py`): with several encoders balanced, the operator's
+WARNING line names the replica that took the call, as it said when the call began, not the whole list;
+the caller's error names no encoder's address. The encoders are stand-ins of encoder_stand_in.py, each
+saying its own name."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 import pytest
@@ -37,14 +39,17 @@ async def _stand_ins(n: int) -> list[tuple[StandIn, RunningServer]]:
 
 
 async def test_of_encoders_balanced_a_hung_or_failing_one_is_named_alone_not_the_whole_list(
-    monkeypatch: pytest.MonkeyPatch, tmp_path
+    monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """`--encoder a,b`: "encoder a,b did not answer within 60 s" (or "is unavailable") left the operator
-    to find which of n replicas was at fault; the one that took the call says its name as it begins."""
+    to find which of n replicas was at fault; the one that took the call says its name as it begins.
+    The callers' errors named it too, an internal address the gateway passed on to HTTP callers: now
+    only the operator's WARNING lines do."""
     monkeypatch.setattr(encoder_parts, "MAX_FETCH_S", 0.3)
     stand_ins = await _stand_ins(2)
     addresses = [server.address for _, server in stand_ins]
     parts = EncoderParts(",".join(addresses), torch.float32, 1 << 20, cache_bytes=0, shm_dir=tmp_path)
+    caplog.set_level(logging.WARNING, logger=encoder_parts.__name__)
     try:
         # The gate shut: each Embed hangs.
         hung, _ = start_fetches(parts, [EncoderPrompt("image", f"p{i}".encode()) for i in range(4)])
@@ -62,14 +67,18 @@ async def test_of_encoders_balanced_a_hung_or_failing_one_is_named_alone_not_the
             await server.stop(0)
     for i, [error] in enumerate(hung_errors):
         assert isinstance(error, Unavailable)
-        assert str(error) in {
-            f"prompt[{i}].encoder: encoder {address} did not answer within 0.3 s" for address in addresses
-        }
+        assert str(error) == f"prompt[{i}].encoder: the encoder did not answer within 0.3 s; retry"
     for i, [error] in enumerate(failing_errors):
         assert isinstance(error, Unavailable)
-        assert str(error) in {
-            f"prompt[{i}].encoder: encoder {address} is unavailable (INTERNAL: out of order)"
-            for address in addresses
-        }
-    # Both replicas took calls, and each error named its own: the balancing is unchanged.
+        assert str(error) == f"prompt[{i}].encoder: the encoder is unavailable (INTERNAL: out of order)"
+    # Both replicas took calls, and each line named its own (once: the next in 10 s are counted): the
+    # balancing is unchanged.
     assert all(servicer.num_embeds >= 1 for servicer, _ in stand_ins)
+    lines = [record.getMessage() for record in caplog.records]
+    assert sorted(lines) == sorted(
+        [
+            f"encoder {address} did not answer within 0.3 s, this decoder's cap on a fetch"
+            for address in addresses
+        ]
+        + [f"an Embed call to encoder {address} failed: INTERNAL: out of order" for address in addresses]
+    )

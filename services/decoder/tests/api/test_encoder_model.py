@@ -44,10 +44,10 @@ async def test_parts_asking_a_silent_encoder_its_model_share_one_call_and_each_a
     # At its own 0.1 s: not when the call it joined, started by a part with the whole cap, ran out.
     assert first == b"hurried"
     assert hurried_error == (
-        f"prompt[0].encoder: the deadline passed while encoder {parts.address} asked which model it serves"
+        "prompt[0].encoder: the deadline passed while the encoder asked which model it serves"
     )
     for _, error, answered_s in silent:
-        assert error == f"prompt[0].encoder: encoder {parts.address} did not answer within {CAP_S:g} s"
+        assert error == f"prompt[0].encoder: the encoder did not answer within {CAP_S:g} s; retry"
         # Parts asking in turn answer the second at two caps or later however idle the host is; these
         # answer at one cap, with a whole cap to spare for a loaded one.
         assert answered_s < 2 * CAP_S

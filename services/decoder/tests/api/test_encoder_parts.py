@@ -10,6 +10,7 @@ model: test_encoder_model.py; where a spec's parts stand: test_spec_encoder_part
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from pathlib import Path
 
@@ -125,22 +126,29 @@ async def test_the_encoders_refusal_reaches_every_caller_on_its_own_field(
 
 
 async def test_an_encoder_silent_past_the_decoders_own_cap_is_unavailable_not_the_callers_deadline(
-    encoder: StandIn, parts: EncoderParts, monkeypatch: pytest.MonkeyPatch
+    encoder: StandIn, parts: EncoderParts, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A hung encoder held a caller of a 120 s deadline until the decoder's 60 s cap, then answered
-    DEADLINE_EXCEEDED as if the caller's time were spent: UNAVAILABLE says another replica may serve."""
+    DEADLINE_EXCEEDED as if the caller's time were spent: UNAVAILABLE says another replica may serve.
+    Which encoder was silent is the operator's to read (WARNING): the caller's error named its internal
+    address."""
     monkeypatch.setattr(encoder_parts, "MAX_FETCH_S", 0.3)
+    caplog.set_level(logging.WARNING, logger=encoder_parts.__name__)
     [patient], _ = start_fetches(parts, [picture()], time_remaining_s=120)
     [unbounded], _ = start_fetches(parts, [EncoderPrompt("image", b"another")])
     [hurried], _ = start_fetches(parts, [EncoderPrompt("image", b"a third")], time_remaining_s=0.2)
     for part in (patient, unbounded):
         with pytest.raises(Unavailable) as unavailable:
             await fetched_rows(part)
-        assert str(unavailable.value) == (
-            f"prompt[0].encoder: encoder {parts.address} did not answer within 0.3 s"
-        )
-    with pytest.raises(DeadlineExceeded, match=r"^prompt\[0\]\.encoder: the deadline passed"):
+        assert str(unavailable.value) == "prompt[0].encoder: the encoder did not answer within 0.3 s; retry"
+    with pytest.raises(DeadlineExceeded) as deadline:
         await fetched_rows(hurried)  # the caller's own deadline: still DEADLINE_EXCEEDED
+    assert str(deadline.value) == "prompt[0].encoder: the deadline passed while the encoder embedded it"
+    # The two silent past the cap are one line: the next in 10 s are counted, not written.
+    assert sorted(r.getMessage() for r in caplog.records) == [
+        f"a caller's deadline passed while encoder {parts.address} embedded it",
+        f"encoder {parts.address} did not answer within 0.3 s, this decoder's cap on a fetch",
+    ]
 
 
 async def test_callers_with_other_tokens_fetch_apart_and_get_only_their_own_refusal(
@@ -173,7 +181,7 @@ async def test_a_fetch_past_its_first_callers_deadline_is_fetched_again_by_one_w
 
 
 async def test_embed_calls_in_flight_are_bounded_and_the_rest_wait_their_turn_within_their_deadline(
-    encoder: StandIn, parts: EncoderParts, monkeypatch: pytest.MonkeyPatch
+    encoder: StandIn, parts: EncoderParts, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A gRPC server cancels at random the calls past the first 1,000 it has not taken up yet: one
     # request of 2,000 encoder parts failed UNAVAILABLE "CANCELLED" from a healthy encoder.
@@ -186,7 +194,8 @@ async def test_embed_calls_in_flight_are_bounded_and_the_rest_wait_their_turn_wi
     assert encoder.num_running == encoder.max_running == MAX_EMBEDS_IN_FLIGHT
     # Never sent: every place is held by a call the encoder holds. It read "encoder ... did not answer".
     limit = f"this decoder's limit of {MAX_EMBEDS_IN_FLIGHT} Embed calls in flight"
-    held = f"encoder {parts.address} holds them all, so this part's was never sent"
+    held = "the encoder holds them all, so this part's was never sent"  # its address: the log's alone
+    caplog.set_level(logging.WARNING, logger=encoder_parts.__name__)
     [hurried], _ = start_fetches(parts, [EncoderPrompt("image", b"another")], time_remaining_s=0.2)
     with pytest.raises(DeadlineExceeded) as deadline:
         await fetched_rows(hurried)
@@ -196,6 +205,8 @@ async def test_embed_calls_in_flight_are_bounded_and_the_rest_wait_their_turn_wi
     with pytest.raises(Unavailable) as unavailable:
         await fetched_rows(unbounded)
     assert str(unavailable.value) == f"prompt[0].encoder: {limit} was full for 0.2 s ({held})"
+    full = f"{limit} was full for an encoder part's whole time, encoder {parts.address} holding them all"
+    assert [r.getMessage() for r in caplog.records] == [full, full]  # DEADLINE_EXCEEDED, UNAVAILABLE
     encoder.gate.set()
     for part in waiting:
         assert torch.equal(await fetched_rows(part), rows_of(part.content))  # type: ignore[arg-type]

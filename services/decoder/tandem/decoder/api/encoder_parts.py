@@ -43,9 +43,9 @@ A fetch, on the event loop:
    any tensor (zero copy). A segment gone, or changed, before it was read (its lease,
    --shared-memory-lease-s, ran out while this decoder was busy: this host's timing, not the caller's
    input; or one that cannot be opened) is fetched once more without the offer, its rows by value;
-   only if that fails too is the part refused, UNAVAILABLE naming the encoder. A reply wrong in itself
+   only if that fails too is the part refused, UNAVAILABLE blaming the encoder. A reply wrong in itself
    (a segment not asked for, rows past their segment, a wrong dtype or shape, NaN) is UNAVAILABLE
-   naming the encoder and the fault: never INVALID_ARGUMENT on the caller's field, who passed no handle.
+   blaming the encoder, naming the fault: never INVALID_ARGUMENT on the caller's field (no handle passed).
 Which model the encoder serves is checked against this decoder's own, by a sample of each one's token
 table (`tandem.common.torch_part.model_identity`; compared in `encoder_model_check.py`), whose rows it
 would otherwise read in the wrong hidden space: once loaded, the decoder asks (GetModelInfo:
@@ -61,13 +61,16 @@ Errors name the part: the encoder's refusal of the input is INVALID_ARGUMENT (or
 on `prompt[i].encoder`, as are rows larger than this decoder's --max-message-bytes, whether they came
 as bytes (over gRPC's receive cap) or through shared memory, and any Embed request or reply over the
 --max-message-bytes of either side (named: `encoder_over_cap.py`); an encoder that cannot be reached is
-UNAVAILABLE naming its address ("could not be reached": gRPC's own words, which name the encoder's
-internal address and port in its terms and went on to HTTP callers unchanged, are logged at WARNING),
-within the retries of its channel, so the request never waits for it
-past its deadline, and so is one that did not answer within MAX_FETCH_S when the caller's own deadline
-was later (another replica may serve it; DEADLINE_EXCEEDED is for the caller's deadline).
-With several encoders balanced, an error names the replica that took the call, as it said when the call
-began (`tandem.common.replica_name`): the whole list only where none did (every one unreachable).
+UNAVAILABLE "the encoder could not be reached (no connection, or it was lost); retry", within the
+retries of its channel, so the request never waits for it past its deadline, and so is one that did
+not answer within MAX_FETCH_S when the caller's own deadline was later (another replica may serve it;
+DEADLINE_EXCEEDED is for the caller's deadline).
+A caller's error never names the encoder's address: the gateway passes the decoder's status on to HTTP
+callers, and "encoder 10.0.0.5:50052 could not be reached" showed them this deployment's internal
+addresses. The operator's WARNING line names it (`encoder_errors.py`), with gRPC's own words or the
+encoder's, once in a while for each kind of failure, encoder and code: with several encoders balanced,
+the replica that took the call, as it said when the call began (`tandem.common.replica_name`), the whole
+list only where none did (every one unreachable).
 A call that ends (cancelled, failed, finished) cancels its fetches still running; the request being
 built then fails, and an Embed call cancelled (or failed) before its reply was read removes the name
 it asked for, as a read does, releasing the segment to the encoder's pool if the encoder wrote it: a
@@ -105,7 +108,7 @@ from tandem.common.torch_part.model_identity import read_table_sample
 from tandem.common.torch_part.prompt_parts import EncoderPrompt
 from tandem.decoder.api.embed_replies import EmbedReplies, SegmentLost
 from tandem.decoder.api.embedding_cache import EmbeddingCache, cache_key
-from tandem.decoder.api.encoder_errors import EncoderErrors
+from tandem.decoder.api.encoder_errors import EncoderErrors, Failure
 from tandem.decoder.api.encoder_faults import NoPlace, encoder_named, ran_out, unavailable
 from tandem.decoder.api.encoder_model import EncoderMismatch, EncoderModel
 from tandem.decoder.api.encoder_model_check import EncoderModelCheck
@@ -421,14 +424,30 @@ class EncoderParts:
             # The caller would have waited longer: an encoder silent this long (hung, stopped) is
             # unavailable, and another replica may serve the retry. It was DEADLINE_EXCEEDED at
             # 60 s on a call whose own deadline was 120 s.
-            return Unavailable(f"{field}: encoder {who} did not answer within {MAX_FETCH_S:g} s")
-        return DeadlineExceeded(f"{field}: the deadline passed while encoder {who} {doing}")
+            code = grpc.StatusCode.UNAVAILABLE
+            self.errors.warn(
+                Failure.SILENT,
+                who,
+                code,
+                f"encoder {who} did not answer within {MAX_FETCH_S:g} s, this decoder's cap on a fetch",
+            )
+            return Unavailable(f"{field}: the encoder did not answer within {MAX_FETCH_S:g} s; retry")
+        code = grpc.StatusCode.DEADLINE_EXCEEDED
+        self.errors.warn(Failure.SILENT, who, code, f"a caller's deadline passed while encoder {who} {doing}")
+        return DeadlineExceeded(f"{field}: the deadline passed while the encoder {doing}")
 
     def _no_place(self, field: str, is_capped: bool) -> TandemError:
         """A part whose Embed call never got one of the MAX_EMBEDS_IN_FLIGHT places within its time.
         It read "encoder ... did not answer within 60 s", of an encoder never called."""
         limit = f"this decoder's limit of {MAX_EMBEDS_IN_FLIGHT} Embed calls in flight"
-        held = f"encoder {self.address} holds them all, so this part's was never sent"
+        held = "the encoder holds them all, so this part's was never sent"
+        code = grpc.StatusCode.UNAVAILABLE if is_capped else grpc.StatusCode.DEADLINE_EXCEEDED
+        self.errors.warn(
+            Failure.NO_PLACE,
+            self.address,
+            code,
+            f"{limit} was full for an encoder part's whole time, encoder {self.address} holding them all",
+        )
         if is_capped:  # as the encoder's silence (`_out_of_time`): another replica may serve the retry
             return Unavailable(f"{field}: {limit} was full for {MAX_FETCH_S:g} s ({held})")
         return DeadlineExceeded(f"{field}: the deadline passed while {limit} was full ({held})")
