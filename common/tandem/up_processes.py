@@ -3,19 +3,32 @@ line with a prefix, the one "ready" line, and the stop (SIGTERM to each, a kill 
 
 from __future__ import annotations
 
+import codecs
 import contextlib
+import fcntl
+import io
+import locale
 import os
+import selectors
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
-from typing import TextIO
+from typing import IO, TextIO
 
 from tandem.up_commands import ready_targets, serve_command, service_argv, service_environment
 from tandem.up_config import UpConfig, services
 
 _output_lock = threading.Lock()
+
+# Once a service has exited, how long its relays still wait for the end of its output. What the service
+# started holds its stdout and stderr too: a decoder's ranks and multiprocessing's resource tracker log
+# there for it (why a rank stops, what leaked) and close them as they end, within this after it; one that
+# outlives the service (ranks still loading when it was killed) must not hold the stop.
+AFTER_EXIT_S = 0.5
 
 
 def label(service: str) -> str:
@@ -59,8 +72,82 @@ def _stop_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+class _Relay:
+    """One output pipe of a service relayed line by line with its prefix, on a thread of its own, until
+    every process holding the pipe has closed it or, once told the service has exited (`finish`), until
+    that deadline, and then what the pipe holds at it.
+
+    NOTE: why not until the pipe's end alone. Each process the service starts inherits the pipe, and
+    a grandchild that outlived the service kept the relay reading and the stop waiting: 2 s per pipe
+    before `up` went on without it, ~9 s for two services. Once the service has exited, all it wrote is
+    in the pipe, ahead of anything written after, so the pipe's content at the deadline holds the last
+    of the service's own lines."""
+
+    def __init__(self, prefix: str, source: IO[bytes], sink: TextIO) -> None:
+        self._prefix = prefix
+        self._source = source
+        self._sink = sink
+        self._stop_by: float | None = None  # time.monotonic() deadline, set once by `finish`
+        self._wake_read, self._wake_write = os.pipe()  # `finish` ends the thread's wait for output
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def finish(self, stop_by: float) -> None:
+        self._stop_by = stop_by
+        os.write(self._wake_write, b"\0")
+
+    def join(self) -> None:
+        self._thread.join()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+
+    def _run(self) -> None:
+        fd = self._source.fileno()
+        # As the text mode of subprocess read it: the locale's encoding, any newline ending a line.
+        decoder = io.IncrementalNewlineDecoder(
+            codecs.getincrementaldecoder(locale.getpreferredencoding(False))(errors="replace"), translate=True
+        )
+        partial = ""  # the text of a line not ended yet
+        is_last = False
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            selector.register(self._wake_read, selectors.EVENT_READ)
+            while not is_last:
+                wait_s = None if self._stop_by is None else self._stop_by - time.monotonic()
+                if wait_s is not None and wait_s <= 0:
+                    data, is_last = _read_buffered(fd), True
+                else:
+                    ready = {key.fd for key, _ in selector.select(wait_s)}
+                    if self._wake_read in ready:  # `finish`: from now on, wait until its deadline only
+                        selector.unregister(self._wake_read)
+                    if fd not in ready:
+                        continue
+                    data = os.read(fd, 65536)
+                    is_last = not data  # every process holding the pipe has closed it
+                *lines, partial = (partial + decoder.decode(data, final=is_last)).split("\n")
+                if is_last and partial:
+                    lines.append(partial)
+                self._relay(lines)
+        self._source.close()
+
+    def _relay(self, lines: list[str]) -> None:
+        if lines:
+            _write(self._sink, "".join(f"{self._prefix}{line}\n" for line in lines))
+
+
+def _read_buffered(fd: int) -> bytes:
+    """What the pipe `fd` holds now (FIONREAD), read without waiting for more: a grandchild writing on
+    cannot keep it reading."""
+    size = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    chunks = []
+    while size > 0 and (chunk := os.read(fd, size)):
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
 class _Child:
-    """One service process and the two threads relaying its output."""
+    """One service process and the two relays of its output."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         self.name = name
@@ -70,30 +157,26 @@ class _Child:
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             env=env,
-            text=True,
-            errors="replace",
             preexec_fn=_stop_with_parent,
             start_new_session=True,  # a terminal's Ctrl-C reaches `up` only; `up` sends each one SIGTERM
         )
         self._relays = [
-            threading.Thread(target=self._relay, args=(self.process.stdout, sys.stdout), daemon=True),
-            threading.Thread(target=self._relay, args=(self.process.stderr, sys.stderr), daemon=True),
+            _Relay(f"[{name}] ", self.process.stdout, sys.stdout),
+            _Relay(f"[{name}] ", self.process.stderr, sys.stderr),
         ]
-        for relay in self._relays:
-            relay.start()
-
-    def _relay(self, source: TextIO, sink: TextIO) -> None:
-        for line in source:
-            text = line.removesuffix("\n")
-            _write(sink, f"[{self.name}] {text}\n")
 
     def terminate(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
 
     def finish_relay(self) -> None:
+        """Once the service has exited: the rest of its output relayed, and what its own children write
+        for AFTER_EXIT_S more, or until they end."""
+        stop_by = time.monotonic() + AFTER_EXIT_S
         for relay in self._relays:
-            relay.join(timeout=2)
+            relay.finish(stop_by)
+        for relay in self._relays:
+            relay.join()
 
 
 def run_services(config: UpConfig) -> int:
