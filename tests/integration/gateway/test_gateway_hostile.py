@@ -212,8 +212,15 @@ async def test_slow_clients_are_timed_out_and_connections_bounded(
         await loop.sock_sendall(slow, head + b"Content-Length: 1000\r\n\r\n{")
         reply = await _read_all(slow, BODY_TIMEOUT_S + 5)
         assert reply.startswith(b"HTTP/1.1 408") and b'"param": "body"' in reply, reply[:300]
-        # Beyond --max-connections: 503 saying so, and the connections already open are unharmed.
+        # Beyond --max-connections, each connection mid-request (its head read: `100 Continue` asked for
+        # its body): 503 saying so, and the connections already open are unharmed. (One that waits for a
+        # head would have given its place up: services/gateway/tests/test_connections.py.)
         held = [await _connect(gateway) for _ in range(MAX_CONNECTIONS)]
+        expect = head + b"Expect: 100-continue\r\nContent-Length: 1000\r\n\r\n"
+        for sock in held:  # all heads first: each body's --body-timeout-s runs from its `100 Continue`
+            await loop.sock_sendall(sock, expect)
+        for sock in held:
+            assert await _interim(sock) == b"HTTP/1.1 100 Continue\r\n\r\n"
         extra = await _connect(gateway)
         refused = await _read_all(extra, 5)
         assert refused.startswith(b"HTTP/1.1 503") and b"--max-connections" in refused
@@ -239,6 +246,15 @@ async def _connect(gateway: GatewayProcess) -> socket.socket:
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", gateway.port))
     return sock
+
+
+async def _interim(sock: socket.socket) -> bytes:
+    """The interim answer `100 Continue` read whole (or what came before the connection closed)."""
+    interim, sent = b"HTTP/1.1 100 Continue\r\n\r\n", b""
+    async with asyncio.timeout(5):
+        while len(sent) < len(interim) and (chunk := await asyncio.get_running_loop().sock_recv(sock, 1)):
+            sent += chunk
+    return sent
 
 
 async def _trickle(sock: socket.socket, data: bytes) -> None:
