@@ -474,8 +474,8 @@ class _BodyFailures:
     protocol queues a 400 to answer after the request being handled, whose handler waited for more of
     its body until --body-idle-timeout-s and answered 408 (1.5 s there), the 400 never sent. Its pure
     Python parser gives the failure to the body too; so does this, the handler answering 400 at once
-    (body_intake.py). aiohttp keeps its parser in a private attribute: the one private name the gateway
-    uses."""
+    (body_intake.py). aiohttp keeps its parser in a private attribute, one of the two private names the
+    gateway uses (the other: its handler's `_waiter`, the module's NOTE on a connection at the bound)."""
 
     def __init__(self, parser: Any) -> None:
         self._parser = parser
