@@ -74,7 +74,9 @@ async def test_of_encoders_balanced_a_hung_or_failing_one_is_named_alone_not_the
     # Both replicas took calls, and each line named its own (once: the next in 10 s are counted): the
     # balancing is unchanged.
     assert all(servicer.num_embeds >= 1 for servicer, _ in stand_ins)
-    lines = [record.getMessage() for record in caplog.records]
+    # This module's lines alone: the stand-ins' own server logs its INTERNAL answers too, at times
+    # (tandem.client.status "unhandled error in /tandem.v1.Encoder/Embed": 1 run in 10 here).
+    lines = [record.getMessage() for record in caplog.records if record.name == encoder_parts.__name__]
     assert sorted(lines) == sorted(
         [
             f"encoder {address} did not answer within 0.3 s, this decoder's cap on a fetch"
