@@ -11,6 +11,7 @@ hidden space as if nothing were amiss; and once checked (asking one of its encod
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 from collections.abc import AsyncIterator
@@ -85,6 +86,18 @@ def _refusal(address: str, decoder_name: str, model_dir: Path, shape: tuple[int,
     )
 
 
+PARTS_LOG = "tandem.decoder.api.encoder_parts"  # once for the two parts: a line in 10 s at most
+
+
+def _told(decoder_name: str, shape: tuple[int, int]) -> str:
+    """What a caller is told: the two models, not the encoder's address nor this host's checkpoint."""
+    return (
+        f"the encoder serves model 'tiny-other', not this decoder's {decoder_name!r}: same token table shape "
+        f"[{shape[0]}, {shape[1]}], different values, so its rows would be read in the wrong model's hidden "
+        "space"
+    )
+
+
 async def test_an_encoder_of_another_model_of_the_same_shape_is_refused_naming_both(
     tiny_model: Path, other_encoder: Encoder, encoder: Encoder
 ) -> None:
@@ -107,8 +120,9 @@ async def test_an_encoder_of_another_model_of_the_same_shape_is_refused_naming_b
 
 
 async def test_an_encoder_absent_at_start_is_checked_at_its_first_part_and_every_part_refused(
-    tiny_model: Path, other_model: Path, tiny_fp32: LoadedModel
+    tiny_model: Path, other_model: Path, tiny_fp32: LoadedModel, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, logger=PARTS_LOG)
     port = free_port()
     address = f"127.0.0.1:{port}"
     parts = _parts(address, tiny_model)
@@ -124,9 +138,10 @@ async def test_an_encoder_absent_at_start_is_checked_at_its_first_part_and_every
                 async for _ in decoder.client.generate(["a", EncoderPart(text="a cat")], max_new_tokens=2):
                     pass
             assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert error.value.details() == "prompt[1].encoder: " + _refusal(
-                address, "tiny", tiny_model, await _shape(other)
-            )
+            assert error.value.details() == "prompt[1].encoder: " + _told("tiny", await _shape(other))
+        # The operator's line names the encoder and the checkpoint, which the caller's does not.
+        said = _refusal(address, "tiny", tiny_model, await _shape(other))
+        assert [r.getMessage() for r in caplog.records if r.name == PARTS_LOG] == [said]
     finally:
         await shutdown(decoder)
         await parts.close()
@@ -167,9 +182,8 @@ async def test_of_two_encoders_balanced_every_part_the_wrong_one_embeds_is_refus
     for text, rows in served:
         right = await encoder.stub.Embed(encoder_pb2.EmbedRequest(text=text))
         assert torch.equal(rows, tensors.decode(right.embeddings).float())
-    # The wrong one alone: it named the list, "encoder <right>,<wrong>", the right with the wrong.
-    refusal = _refusal(other_encoder.server.address, "tiny", tiny_model, await _shape(other_encoder))
-    assert all(error.description == refusal for error in refused)
+    told = _told("tiny", await _shape(other_encoder))
+    assert all(error.description == told for error in refused)
 
 
 async def _decoder_process(model_dir: Path, encoder_address: str) -> asyncio.subprocess.Process:

@@ -51,10 +51,17 @@ def test_the_same_table_stored_in_any_dtype_under_any_name_is_this_decoders_mode
 def test_another_table_of_the_same_shape_is_refused_naming_both_models_and_the_flag() -> None:
     theirs = TableSample(1024, 64, tuple(-value for value in OURS.values))
     reply = encoder_pb2.EmbedResponse(model="tiny-other", token_table_sample=_pb(theirs))
-    assert _check().reply_mismatch(reply) == (
+    mismatch = _check().reply_mismatch(reply)
+    assert mismatch is not None
+    assert mismatch.said == (
         f"encoder {ADDRESS} serves model 'tiny-other', not this decoder's 'tiny' ({MODEL_DIR}): same token "
         "table shape [1024, 64], different values, so its rows would be read in the wrong model's hidden "
         "space; start the encoder with this decoder's --model"
+    )
+    # A caller's words name the two models, not this host's layout (the gateway passes them on).
+    assert mismatch.told == (
+        "the encoder serves model 'tiny-other', not this decoder's 'tiny': same token table shape "
+        "[1024, 64], different values, so its rows would be read in the wrong model's hidden space"
     )
 
 
@@ -68,10 +75,12 @@ def test_of_encoders_balanced_the_refusal_names_the_replica_that_answered_not_th
         check.reply_mismatch(reply, "127.0.0.1:50053"),
         check.info_mismatch(info, "127.0.0.1:50053"),
     ):
-        assert mismatch is not None and mismatch.startswith(
+        assert mismatch is not None and mismatch.said.startswith(
             "encoder 127.0.0.1:50053 serves model 'tiny-other'"
         )
-    assert str(check.reply_mismatch(reply)).startswith(
+        assert "127.0.0.1" not in mismatch.told
+    unsaid = check.reply_mismatch(reply)
+    assert unsaid is not None and unsaid.said.startswith(
         f"encoder {ADDRESS},127.0.0.1:50053 serves"
     )  # none said
 
@@ -81,10 +90,16 @@ def test_a_table_of_another_shape_is_refused_naming_both_shapes_and_the_director
 ):
     theirs = TableSample(2048, 64, OURS.values)
     info = encoder_pb2.EncoderGetModelInfoResponse(model="big", token_table_sample=_pb(theirs))
-    assert _check(model_name="").info_mismatch(info) == (
+    mismatch = _check(model_name="").info_mismatch(info)
+    assert mismatch is not None
+    assert mismatch.said == (
         f"encoder {ADDRESS} serves model 'big', not this decoder's 'tiny-ours' ({MODEL_DIR}): token table "
         "[2048, 64] against [1024, 64], so its rows would be read in the wrong model's hidden space; start "
         "the encoder with this decoder's --model"
+    )
+    assert mismatch.told == (
+        "the encoder serves model 'big', not this decoder's 'tiny-ours': token table [2048, 64] against "
+        "[1024, 64], so its rows would be read in the wrong model's hidden space"
     )
 
 

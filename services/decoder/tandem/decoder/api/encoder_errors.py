@@ -40,6 +40,7 @@ class Failure(enum.Enum):
     REFUSED = "the encoder's own status: full, unavailable, failed"
     FAULTY = "a reply this decoder found wrong in itself"
     NO_PLACE = "this decoder's limit of Embed calls in flight"
+    OTHER_MODEL = "an encoder serving another model than this decoder's"
 
 
 class EncoderErrors:

@@ -20,14 +20,19 @@ from tandem.client.pb.tandem.v1 import encoder_pb2
 from tandem.common import replica_name
 from tandem.common.torch_part import shared_memory
 from tandem.decoder.api.encoder_faults import encoder_named, ran_out
-from tandem.decoder.api.encoder_model_check import EncoderModelCheck
+from tandem.decoder.api.encoder_model_check import EncoderModelCheck, Mismatch
 from tandem.decoder.api.shared_fetches import SharedFetches
 
 CHECK_RETRY_S = 0.25  # between GetModelInfo calls to an encoder still loading its model
 
 
 class EncoderMismatch(Exception):
-    """The encoder serves another model than this decoder's; the message names both."""
+    """The encoder serves another model than this decoder's: the message (the operator's words) names
+    both, the encoder and this decoder's checkpoint; `told`, a caller's words, the two models alone."""
+
+    def __init__(self, mismatch: Mismatch) -> None:
+        super().__init__(mismatch.said)
+        self.told = mismatch.told
 
 
 class EncoderModel:

@@ -11,6 +11,7 @@ tell two such models apart, a sample of the token table can.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.client.pb.tandem.v1 import encoder_pb2
@@ -18,6 +19,17 @@ from tandem.common.replica_name import answering
 from tandem.common.token_table_sample import TableSample, sample_from_pb
 
 MAX_SAME_SAMPLES = 8  # token table samples remembered as this decoder's model (one per dtype, or so)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Why an encoder is not of this decoder's model, in two sets of words: the operator's (`said`: the
+    replica that answered and this decoder's checkpoint, to find the wrong one among several) and a
+    caller's (`told`: the two models alone). A caller may be anyone the decoder serves, and the gateway
+    passes the decoder's words on to HTTP callers: the address and the path are this host's layout."""
+
+    said: str
+    told: str
 
 
 class EncoderModelCheck:
@@ -42,7 +54,7 @@ class EncoderModelCheck:
 
     def info_mismatch(
         self, info: encoder_pb2.EncoderGetModelInfoResponse, replica: str | None = None
-    ) -> str | None:
+    ) -> Mismatch | None:
         """Why the encoder that answered GetModelInfo with `info` (the replica that said it is `replica`:
         `tandem.common.replica_name`) is not of this decoder's model; None when it is, or when there is
         nothing to compare."""
@@ -50,7 +62,7 @@ class EncoderModelCheck:
             info.model, info.token_table_sample if info.HasField("token_table_sample") else None, replica
         )
 
-    def reply_mismatch(self, reply: encoder_pb2.EmbedResponse, replica: str | None = None) -> str | None:
+    def reply_mismatch(self, reply: encoder_pb2.EmbedResponse, replica: str | None = None) -> Mismatch | None:
         """Why `reply` (of the replica that said it is `replica`) is of another model than this decoder's;
         None when it is, or when it carries no sample (an encoder from before replies carried one: its
         model was checked once, by GetModelInfo, and never again)."""
@@ -67,7 +79,7 @@ class EncoderModelCheck:
 
     def mismatch(
         self, model: str, reported: encoder_pb2.TokenTableSample | None, replica: str | None = None
-    ) -> str | None:
+    ) -> Mismatch | None:
         """Why an encoder serving `model`, whose token table sample is `reported`, is not of this
         decoder's model; None when it is, or when there is nothing to compare (a decoder built by hand,
         an encoder from before the sample). Names the replica that said it is `replica`, of several
@@ -85,8 +97,9 @@ class EncoderModelCheck:
             if (theirs.vocab_size, theirs.hidden_size) != (ours.vocab_size, ours.hidden_size)
             else f"same token table shape [{ours.vocab_size}, {ours.hidden_size}], different values"
         )
-        return (
-            f"encoder {answering(self.address, replica)} serves model {model!r}, not this decoder's {name!r} "
-            f"({self.model_dir}): {shapes}, so its rows would be read in the wrong model's hidden space; "
-            "start the encoder with this decoder's --model"
+        why = f"{shapes}, so its rows would be read in the wrong model's hidden space"
+        return Mismatch(
+            said=f"encoder {answering(self.address, replica)} serves model {model!r}, not this decoder's "
+            f"{name!r} ({self.model_dir}): {why}; start the encoder with this decoder's --model",
+            told=f"the encoder serves model {model!r}, not this decoder's {name!r}: {why}",
         )

@@ -299,7 +299,7 @@ class EncoderParts:
         except NoPlace:
             raise self._no_place(field, is_capped) from None
         except EncoderMismatch as error:
-            raise FailedPrecondition(field, str(error)) from None
+            raise self._other_model(field, error) from None
         except (InvalidArgument, FailedPrecondition) as error:
             raise type(error)(field + error.field, error.description, info=error.info) from None
 
@@ -414,7 +414,13 @@ class EncoderParts:
                 ) from None
             raise self._error(error, field, is_capped) from None
         except EncoderMismatch as error:
-            raise FailedPrecondition(field, str(error)) from None
+            raise self._other_model(field, error) from None
+
+    def _other_model(self, field: str, error: EncoderMismatch) -> FailedPrecondition:
+        """An encoder of another model, in a caller's words (the two models); the operator's line names
+        the encoder that answered and this decoder's checkpoint."""
+        self.errors.warn(Failure.OTHER_MODEL, self.address, grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        return FailedPrecondition(field, error.told)
 
     def _out_of_time(self, field: str, is_capped: bool, doing: str, who: str | None = None) -> TandemError:
         """A call to the encoder (`who`, the replica that took it where known) that ran out of time while
