@@ -139,7 +139,11 @@ def settings() -> list[click.Option]:
             type=int,
             show_default="2, or --max-large-bodies where that is smaller",
         ),
-        _setting("--max-connections", "open HTTP connections (a new one beyond: 503, closed)", type=int),
+        _setting(
+            "--max-connections",
+            "open HTTP connections (a new one beyond: an idle one closed for it, else 503)",
+            type=int,
+        ),
         _setting(
             "--header-timeout-s", "a new connection's first request head must arrive within", type=float
         ),

@@ -92,7 +92,8 @@ class GatewayConfig:
     # None: DEFAULT_BODY_WORKERS, lowered to `max_large_bodies` where that is smaller (a worker beyond
     # it never gets a body, and a default must not refuse `--max-large-bodies 1`); an int once built.
     body_workers: int | None = None
-    # Open HTTP connections; beyond it a new one is answered 503 and closed (file descriptors are finite).
+    # Open HTTP connections (file descriptors are finite); beyond it a new one takes an idle one's place
+    # (connections.py: the address holding the most waiting for a head), else is answered 503 and closed.
     max_connections: int = 512
     # Slow clients: a new connection's first request head must arrive within `header_timeout_s`; a
     # keep-alive connection idle (or trickling its next head) for `idle_timeout_s` is closed. A body is
