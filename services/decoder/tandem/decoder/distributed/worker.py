@@ -6,8 +6,9 @@ every process is already a rank. Rank 0 then serves gRPC and runs the engine; th
 shard and run `run_worker`: receive a batch, run the same forward, repeat. Nothing waits forever:
 every collective has the group timeout, rank 0 sends keepalives while idle, a worker whose rank 0
 vanished fails its next receive and exits non-zero, one whose rank 0 failed is sent ABORT and exits
-non-zero at once (rank_zero_failed.py), and rank 0 turns any collective failure into UNAVAILABLE for
-open streams, NOT_SERVING, and a non-zero exit (see `__main__.serve`).
+non-zero at once (rank_zero_failed.py), a spawned one whose rank 0 process ended, even by SIGKILL,
+exits at once whatever it was doing (`_end_with_rank_zero`), and rank 0 turns any collective failure
+into UNAVAILABLE for open streams, NOT_SERVING, and a non-zero exit (see `__main__.serve`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import threading
 from collections.abc import Mapping
 from multiprocessing.process import BaseProcess
 
@@ -101,14 +103,45 @@ def join_local_ranks(processes: list[BaseProcess], timeout_s: float) -> bool:
 
 
 def worker_main(info: RankInfo, config: DecoderConfig) -> None:
-    """Entry point of a spawned rank: run the worker loop, then leave without running finalizers."""
+    """Entry point of a spawned rank: ends with rank 0, runs the worker loop, then leaves without
+    running finalizers."""
     log_format = f"%(asctime)s decoder[{info.rank}] %(levelname)s %(message)s"
     logging.basicConfig(level=logging.INFO, format=log_format)
+    _end_with_rank_zero(info.rank)
     code = run_worker(info, rank_config(config, info))
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # a dead peer must not be able to hold this process in a group destructor
+
+
+def _end_with_rank_zero(rank: int) -> None:
+    """Exits this spawned rank, code 1, as soon as rank 0, the process that spawned it, has ended: a
+    daemon thread waits for it.
+
+    NOTE: why. A rank 0 killed (SIGKILL, the OOM killer) says no word, and a rank learned of it only
+    from a collective or the rendezvous failing: one waiting for rank 0's store ran on for the group's
+    timeout (105 s measured at the default 60 s), one loading its shard to the end of its load, holding
+    memory and CPU. It now exits 0.1-0.2 s after the kill; where rank 0 died while this rank's
+    interpreter still started (its imports, before this runs), once they are done (5-7 s, 2 busy
+    cores). What it watches is multiprocessing's parent sentinel, a pipe whose writing end rank 0 holds
+    while this rank runs: it reads end-of-file once rank 0's process has ended, however, and at once
+    where it had ended before this thread began, and no thread of rank 0 ending sooner fires it. Not
+    PR_SET_PDEATHSIG: that takes ctypes, which the decoder keeps to the CPU backend's kernels
+    (tests/unit/test_architecture.py). The thread needs the GIL to act, which the torch calls a rank
+    spends its time in (reads, casts, collectives) release.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:  # run in the process that called it, not spawned: there is no rank 0 to outlive
+        return
+
+    def exit_when_rank_zero_has() -> None:
+        parent.join()  # returns once the sentinel reads end-of-file
+        log.error("rank %d stopping: rank 0 (pid %s) has exited", rank, parent.pid)
+        sys.stderr.flush()
+        os._exit(1)  # not the main thread's unwinding: it may be inside a collective or a load
+
+    threading.Thread(target=exit_when_rank_zero_has, name="end-with-rank-0", daemon=True).start()
 
 
 def run_worker(info: RankInfo, config: DecoderConfig) -> int:
