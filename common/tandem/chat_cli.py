@@ -26,7 +26,6 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TextIO
 
 import click
@@ -38,11 +37,14 @@ from tandem.client.security import ChannelSecurity
 from tandem.common.client_security_flags import checked_client_security, client_security_options
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
+    IMAGE_FILE_BOUND,
+    MAX_IMAGE_FILE_BYTES,
     UINT32,
     UINT64,
     FlagError,
     describe_flag,
     option,
+    read_flag_file,
 )
 from tandem.common.structured_flags import structured_choice, structured_fields, structured_options
 
@@ -105,7 +107,13 @@ def _start(**values: Any) -> int:
         fields[f"chat.messages[{first_turn}].content[{j}]"] = f"--image {path}"
     flags = CallFlags(f"{describe_flag('address')} {values['address']}", fields)
     encoder_flag = f"{describe_flag('encoder_address')} {values['encoder_address']}"
-    args = argparse.Namespace(**values, structured=structured, flags=flags, encoder_flag=encoder_flag)
+    # Read before the chat starts: each a regular file within the bound (BadParameter naming --image).
+    pictures = [
+        read_flag_file(path, "--image", MAX_IMAGE_FILE_BYTES, IMAGE_FILE_BOUND) for path in values["image"]
+    ]
+    args = argparse.Namespace(
+        **values, structured=structured, flags=flags, encoder_flag=encoder_flag, pictures=pictures
+    )
     return asyncio.run(run_chat(args, sys.stdin, sys.stdout))
 
 
@@ -296,9 +304,9 @@ async def _image_parts(
     """Each --image, in order: an encoder part when the decoder fetches the rows itself, else the
     rows from --encoder-address."""
     if fetches_rows:
-        return [EncoderPart(image=Path(path).read_bytes()) for path in args.image]
+        return [EncoderPart(image=picture) for picture in args.pictures]
     async with EncoderClient(args.encoder_address, security=security) as encoder:
-        return [await encoder.embed_image(Path(path).read_bytes()) for path in args.image]
+        return [await encoder.embed_image(picture) for picture in args.pictures]
 
 
 @dataclass

@@ -21,9 +21,12 @@ from tandem.common.client_security_flags import checked_client_security, client_
 from tandem.common.dtypes import BY_NAME, FLOAT_NAMES
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
+    IMAGE_FILE_BOUND,
+    MAX_IMAGE_FILE_BYTES,
     PATH,
     describe_flag,
     option,
+    read_flag_file,
 )
 from tandem.common.token_ids_text import is_token_ids
 
@@ -108,10 +111,7 @@ async def _embed(values: dict[str, Any]) -> int:
         )
     image = None
     if values["image"] is not None:
-        try:
-            image = Path(values["image"]).read_bytes()
-        except OSError as error:
-            raise click.BadParameter(f"{values['image']}: {error.strerror}", param_hint="'--image'") from None
+        image = read_flag_file(values["image"], "--image", MAX_IMAGE_FILE_BYTES, IMAGE_FILE_BOUND)
     security = checked_client_security(values)  # FlagError naming the flag of a file it cannot use
     return await run_traced(PROG, values["trace"], lambda t: _call(values, image, security, t))
 

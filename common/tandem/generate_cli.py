@@ -22,11 +22,14 @@ from tandem.cli_telemetry import run_traced
 from tandem.common.client_security_flags import checked_client_security, client_security_options
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
+    IMAGE_FILE_BOUND,
+    MAX_IMAGE_FILE_BYTES,
     TEXT,
     UINT32,
     UINT64,
     describe_flag,
     option,
+    read_flag_file,
 )
 from tandem.common.structured_flags import structured_choice, structured_fields, structured_options
 from tandem.common.token_ids_text import is_token_ids
@@ -257,9 +260,15 @@ async def _prompt(
                 segments.append(decoder_pb2.PromptSegment(embeddings=tensors.encode(rows)))
             else:
                 try:
-                    image = Path(part.value).read_bytes() if part.kind == "image" else None
-                except OSError as error:
-                    raise PartError(f"{part.flag()}: {error.strerror}", 2) from None
+                    image = (
+                        read_flag_file(part.value, "--part", MAX_IMAGE_FILE_BYTES, IMAGE_FILE_BOUND)
+                        if part.kind == "image"
+                        else None
+                    )
+                except click.BadParameter as error:  # its message starts with the path
+                    raise PartError(
+                        f"{part.flag()}: {error.message.removeprefix(part.value + ': ')}", 2
+                    ) from None
                 if encoder is None:
                     try:
                         encoder = EncoderClient(

@@ -48,9 +48,13 @@ def read_bounded(path: Path, max_bytes: int, what: str) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as error:
         raise ValueError(f"{path}: {error.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a directory its own way
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode):  # before fdopen, which refuses a directory its own way
         os.close(fd)
         raise ValueError(f"{path} is not a regular file")
+    if status.st_size > max_bytes:  # refused unread: a 100 MB image read 64 MiB to say so
+        os.close(fd)
+        raise ValueError(f"{path} is over {max_bytes:,} bytes, the bound of {what}")
     with os.fdopen(fd, "rb") as file:
         try:
             data = file.read(max_bytes + 1)  # one byte more tells an over-long file from one at the bound

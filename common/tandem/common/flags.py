@@ -44,6 +44,26 @@ class _Path(click.Path):
 
 PATH = _Path(path_type=Path)
 
+# An image a flag names (--image, --part image:) goes to the encoder in one Embed call, which the client's
+# channel caps at DEFAULT_MAX_MESSAGE_BYTES (64 MiB, tandem.client.channel), and the encoder keeps 64 KiB
+# of a message for the call's other fields (its SMALL_FIELDS_BYTES): a larger file cannot be sent. It
+# was read whole first (/dev/zero: a MemoryError), and a 100 MB one ended in gRPC's RESOURCE_EXHAUSTED
+# "Sent message larger than max", naming no flag.
+MAX_IMAGE_FILE_BYTES = 64 * 1024 * 1024 - 64 * 1024
+IMAGE_FILE_BOUND = "an image (64 MiB less 64 KiB, what one call to the encoder carries)"
+
+
+def read_flag_file(path: Path | str, flag: str, max_bytes: int, bound: str) -> bytes:
+    """The bytes of the file `flag` names: a regular file (a FIFO or a device is refused before it is
+    read, so none hangs the command or fills memory) of at most `max_bytes`, `bound` saying whose
+    bound. Raises click.BadParameter naming `flag` (and so its variable, `error_line`)."""
+    from tandem.client.flag_files import read_bounded
+
+    try:
+        return read_bounded(Path(path), max_bytes, bound)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint=f"'{flag}'") from None
+
 
 class _Bool(click.ParamType):
     """true/false, also 1/0, yes/no, on/off; anything else is refused saying so."""

@@ -4,12 +4,18 @@ StructuredOutput message their values make."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import click
 
-from tandem.common.flags import PATH, describe_flag, option
+from tandem.common.flags import PATH, describe_flag, option, read_flag_file
+
+# The decoder's bound on a schema's, regex's or grammar's text (its MAX_SOURCE_CHARS, in
+# tandem.decoder.engine.sampling.structured): a longer one is refused there, so a file is read up to the
+# bytes that many characters take (4 each at most, UTF-8) and no further. It was read whole:
+# `--json-schema /dev/zero` grew `tandem chat` to 22 GB before the host's OOM killer ended it.
+MAX_SOURCE_CHARS = 64 * 1024
+_SOURCE_BOUND = f"a schema or grammar ({MAX_SOURCE_CHARS:,} characters, the decoder's limit)"
 
 
 def structured_options() -> list[click.Option]:
@@ -52,13 +58,18 @@ def structured_choice(values: Mapping[str, Any]) -> Any:
         )
     for name in ("json_schema", "grammar"):
         if name in given:
+            flag = f"--{name.replace('_', '-')}"
+            data = read_flag_file(given[name], flag, 4 * MAX_SOURCE_CHARS, _SOURCE_BOUND)
             try:
-                source = Path(given[name]).read_text()
-            except (OSError, UnicodeDecodeError) as error:
-                reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+                # Newlines as read_text read them (universal newlines), as before.
+                source = data.decode().replace("\r\n", "\n").replace("\r", "\n")
+            except UnicodeDecodeError:
+                raise click.BadParameter(f"{given[name]}: not UTF-8 text", param_hint=f"'{flag}'") from None
+            if len(source) > MAX_SOURCE_CHARS:
                 raise click.BadParameter(
-                    f"{given[name]}: {reason}", param_hint=f"'--{name.replace('_', '-')}'"
-                ) from None
+                    f"{given[name]} has {len(source):,} characters, over {_SOURCE_BOUND}",
+                    param_hint=f"'{flag}'",
+                )
             return structured_output(**{name: source})
     if "regex" in given:
         return structured_output(regex=given["regex"])
