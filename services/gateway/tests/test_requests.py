@@ -174,6 +174,14 @@ HOSTILE_CHAT = {
     "structured_outputs.json_object a string": (
         {"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object"
     ),
+    # vLLM types these str or list: false is refused there, and dropped here it answered free text
+    "structured_outputs.regex false": ({"structured_outputs": {"regex": False}}, "structured_outputs.regex"),
+    "structured_outputs.grammar false": (
+        {"structured_outputs": {"grammar": False}}, "structured_outputs.grammar"
+    ),
+    "structured_outputs.choice false": (
+        {"structured_outputs": {"choice": False}}, "structured_outputs.choice"
+    ),
     "structured_outputs of two kinds": (
         {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice"
     ),
@@ -578,6 +586,8 @@ def test_a_completion_without_max_tokens_takes_16_cut_to_the_context() -> None:
         ({"choice": ["yes", "no"]}, {"choice": {"choices": ["yes", "no"]}}),
         ({"grammar": 'root ::= "a"'}, {"grammar": 'root ::= "a"'}),
         ({"json_object": True}, {"jsonObject": True}),
+        # the schema no value satisfies, as guided_json's false: the decoder refuses it naming the key
+        ({"json": False}, {"jsonSchema": "false"}),
         # vLLM's defaults of what Tandem lacks pass; disable_fallback holds (there is no other backend)
         ({"regex": "a", "json_object": False, "structural_tag": None}, {"regex": "a"}),
         ({"regex": "a", "disable_any_whitespace": False, "disable_fallback": True}, {"regex": "a"}),

@@ -303,6 +303,31 @@ async def test_response_format_json_schema_gives_json_the_schema_validates(live:
         assert error.value.body["param"] == "response_format.json_schema.schema"
 
 
+async def test_what_cannot_be_met_is_a_400_naming_it_never_an_answer_short_of_it(live: Live) -> None:
+    """A min_tokens the context cannot hold beside the prompt is refused with max_tokens sent or not,
+    as vLLM refuses it (cut to the room a chat without max_tokens has, it ran to the context's end and
+    ended `length`); a structured_outputs constraint of false is refused naming it, as vLLM's types do
+    (dropped, it answered free text)."""
+    messages = [{"role": "user", "content": PROMPT}]
+    async with _client(live) as client:
+        for max_tokens, refusal in (
+            ({}, "must be at most "),
+            ({"max_tokens": 10}, "must be in [0, max_tokens=10]"),
+        ):
+            with pytest.raises(openai.BadRequestError) as error:
+                await client.chat.completions.create(
+                    model="", messages=messages, extra_body={"min_tokens": 100_000}, **max_tokens
+                )
+            assert error.value.body["param"] == "min_tokens", error.value.body
+            assert error.value.body["message"].startswith(f"min_tokens: {refusal}"), error.value.body
+        for key in ("json", "regex", "choice", "grammar"):
+            with pytest.raises(openai.BadRequestError) as error:
+                await client.chat.completions.create(
+                    model="", messages=messages, max_tokens=4, extra_body={"structured_outputs": {key: False}}
+                )
+            assert error.value.body["param"] == f"structured_outputs.{key}", error.value.body
+
+
 async def test_prompt_logprobs_are_the_decoders_own_in_vllms_shape(live: Live) -> None:
     """vLLM's extra `prompt_logprobs`: each completions choice holds the decoder's scores of its prompt
     (n choices, one Generate call of them asking), a chat answer its own; never dropped."""

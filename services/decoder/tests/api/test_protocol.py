@@ -191,3 +191,21 @@ def test_cap_to_context_caps_a_max_new_tokens_that_does_not_fit_which_is_refused
     with pytest.raises(InvalidArgument) as refused:
         _max_new_tokens(tiny_fp32, _stopping(max_new_tokens=5000))
     assert refused.value.field == "stopping.max_new_tokens"
+
+
+def test_cap_to_context_refuses_a_min_new_tokens_the_context_cannot_hold_rather_than_shrink_it(
+    tiny_fp32: LoadedModel,
+) -> None:
+    """vLLM's min_tokens past the room the prompt leaves is a 400 whether max_tokens was sent or not;
+    shrunk, the answer ran to the context's end and ended `length` short of what was asked."""
+    for unmet in (
+        _stopping(cap_to_context=True, min_new_tokens=991),
+        _stopping(cap_to_context=True, max_new_tokens=5000, min_new_tokens=5000),
+    ):
+        with pytest.raises(InvalidArgument) as refused:
+            _max_new_tokens(tiny_fp32, unmet)
+        assert refused.value.field == "stopping.min_new_tokens"
+        assert "must be at most 990" in str(refused.value)
+    spec = spec_from_pb(_stopping(cap_to_context=True, min_new_tokens=990), tensors.DEFAULT_LIMITS, None)
+    stopping = _build(tiny_fp32, spec, max_model_len=1000).stopping
+    assert (stopping.min_new_tokens, stopping.max_new_tokens) == (990, 990)

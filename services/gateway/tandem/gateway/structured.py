@@ -62,7 +62,8 @@ MAX_KEY_CHARS = 64  # a key named in an error's field as it is; a longer or odde
 def _structured_outputs(value: Any) -> list[tuple[str, decoder_pb2.StructuredOutput]]:
     """vLLM's `structured_outputs` object -> its one constraint as (`structured_outputs.<key>`, a
     StructuredOutput), or none; its keys Tandem has no counterpart of are refused unless null or false
-    (vLLM's defaults), never dropped."""
+    (vLLM's defaults), never dropped. A constraint's false is refused as its other wrong values are,
+    but json_object's (a bool)."""
     if value is None:
         return []
     if not isinstance(value, dict):
@@ -78,8 +79,15 @@ def _structured_outputs(value: Any) -> list[tuple[str, decoder_pb2.StructuredOut
     json_object = value.get("json_object")
     if json_object is not None and not isinstance(json_object, bool):
         raise InvalidArgument("structured_outputs.json_object", "must be a boolean")
-    # json_object false asks for nothing, as null does (vLLM acts on it only when true).
-    given = [kind for kind in _KINDS if value.get(kind) is not None and value.get(kind) is not False]
+    # json_object false asks for nothing, as null does: vLLM types it a bool and acts on it only when
+    # true. Every other kind's false is a value: vLLM types them str, dict or list and refuses false,
+    # where dropping it answered free text; here regex, grammar and choice refuse it as not their type
+    # and json reads it as the schema false, which the decoder refuses as guided_json's.
+    given = [
+        kind
+        for kind in _KINDS
+        if value.get(kind) is not None and not (kind == "json_object" and value[kind] is False)
+    ]
     if len(given) > 1:
         raise InvalidArgument(
             f"structured_outputs.{given[1]}", f"one structured output per request, got {', '.join(given)}"

@@ -66,6 +66,17 @@ def test_a_default_max_new_tokens_shrinks_to_the_context(tiny_fp32: LoadedModel)
     assert _build(tiny_fp32, spec).stopping.max_new_tokens == 6
 
 
+def test_a_min_new_tokens_the_context_cannot_hold_is_refused_not_shrunk_with_a_default_max(
+    tiny_fp32: LoadedModel,
+) -> None:
+    """The default 256 is shrunk to the 6 positions a 10-position prompt leaves of 16; a min_new_tokens
+    of 7 cannot be met there, as it cannot with max_new_tokens sent."""
+    spec = GenerateSpec([list(range(10))], stopping=StoppingParams(min_new_tokens=7), cap_max_new_tokens=True)
+    assert _field(tiny_fp32, spec) == "stopping.min_new_tokens"
+    fits = dataclasses.replace(spec, stopping=StoppingParams(min_new_tokens=6))
+    assert _build(tiny_fp32, fits).stopping.min_new_tokens == 6
+
+
 def test_embeddings_are_cast_to_the_model_dtype_once_and_must_be_finite(tiny_fp32: LoadedModel) -> None:
     hidden = tiny_fp32.config.hidden_size
     rows = EmbeddingPrompt(torch.ones(2, hidden, dtype=torch.bfloat16))

@@ -357,19 +357,28 @@ def _join_runs(
 def _fit_context(
     spec: GenerateSpec, num_positions: int, max_model_len: int, field_name: str = "prompt"
 ) -> StoppingParams:
-    """The stopping params, max_new_tokens shrunk to the context when it was a default; else checked."""
+    """The stopping params, max_new_tokens shrunk to the context when it was a default; else checked.
+    min_new_tokens is never shrunk: one the context cannot hold is refused, capped or not."""
     if num_positions >= max_model_len:
         raise InvalidArgument(
             field_name,
             f"{num_positions} positions leave no room to generate within max_model_len {max_model_len}",
         )
     stopping = spec.stopping
-    if spec.cap_max_new_tokens and num_positions + stopping.max_new_tokens > max_model_len:
-        return dataclasses.replace(
-            stopping,
-            max_new_tokens=max_model_len - num_positions,
-            min_new_tokens=min(stopping.min_new_tokens, max_model_len - num_positions),
+    room = max_model_len - num_positions
+    # Where max_new_tokens was given, min_new_tokens <= it (StoppingParams.validate) and its own check
+    # below names it. Where it is capped, shrinking min_new_tokens with it answered less than was asked:
+    # a chat without max_tokens asking min_tokens 5000 after a 990-token prompt (context 1024) ran 34
+    # tokens and ended `length`, where the same body with max_tokens 10 is refused, and vLLM refuses
+    # both ("min_tokens must be less than or equal to max_tokens=34").
+    if spec.cap_max_new_tokens and stopping.min_new_tokens > room:
+        raise InvalidArgument(
+            "stopping.min_new_tokens",
+            f"must be at most {room}, the room the prompt's {num_positions} positions leave within "
+            f"max_model_len {max_model_len}, got {stopping.min_new_tokens}",
         )
+    if spec.cap_max_new_tokens and stopping.max_new_tokens > room:
+        return dataclasses.replace(stopping, max_new_tokens=room)
     if num_positions + stopping.max_new_tokens > max_model_len:
         raise InvalidArgument(
             "stopping.max_new_tokens",
