@@ -105,7 +105,7 @@ def _start(**values: Any) -> int:
     first_turn = 1 if values["system"] else 0  # where the pictures go, on the first turn and after a reset
     for j, path in enumerate(values["image"]):  # a part the decoder's encoder refuses names its file
         fields[f"chat.messages[{first_turn}].content[{j}]"] = f"--image {path}"
-    flags = CallFlags(f"{describe_flag('address')} {values['address']}", fields)
+    flags = CallFlags(f"{describe_flag('address')} {values['address']}", fields, "tandem.v1.Decoder")
     encoder_flag = f"{describe_flag('encoder_address')} {values['encoder_address']}"
     # Read before the chat starts: each a regular file within the bound (BadParameter naming --image).
     pictures = [
@@ -159,7 +159,7 @@ async def _converse(
         try:
             images = await _image_parts(args, fetches_rows, security)
         except grpc.aio.AioRpcError as error:
-            return _failed(error, CallFlags(args.encoder_flag, {"image": "--image"}))
+            return _failed(error, CallFlags(args.encoder_flag, {"image": "--image"}, "tandem.v1.Encoder"))
     history = list(opening)
     pending_images = list(images)  # sent with the next user turn
     interactive = stdin.isatty()

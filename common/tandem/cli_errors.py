@@ -5,8 +5,9 @@ A server names the request field it refuses (`stopping.max_new_tokens: must be >
 `BadRequest` field violation); a command knows which of its flags set that field, so the line names
 the flag (`--max-tokens (TANDEM_GENERATE_MAX_TOKENS): must be >= 1, got 0`) and exits 2, as a flag
 the command itself refuses does. A server that cannot be reached (or is still loading) is the flag of
-its address, `--address` or `--encoder-address`. Anything else is the status as the server said it,
-exit 1.
+its address, `--address` or `--encoder-address`, and so is a server that serves another service (the
+encoder's address given as the decoder's: gRPC's bare "UNIMPLEMENTED: Method not found!"), exit 2.
+Anything else is the status as the server said it, exit 1.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ class CallFlags:
 
     address: str  # the flag naming the server called, with its value: "--address 127.0.0.1:50052"
     fields: Mapping[str, str]  # a request field (or a prefix of it) -> the flag that set it
+    service: str = ""  # the service called, "tandem.v1.Decoder": named when the address serves none
+
+
+# Which server an address serving the other service likely is.
+_OTHER_SERVER = {"tandem.v1.Decoder": "the encoder", "tandem.v1.Encoder": "the decoder"}
 
 
 def failure(error: grpc.aio.AioRpcError, flags: CallFlags) -> tuple[str, int]:
@@ -38,6 +44,13 @@ def failure(error: grpc.aio.AioRpcError, flags: CallFlags) -> tuple[str, int]:
             f"{flags.address}: UNAVAILABLE: {details} (`tandem wait` waits until it serves)",
             EXIT_FAILED,
         )
+    if code == grpc.StatusCode.UNIMPLEMENTED and flags.service and details.startswith("Method not found"):
+        other = _OTHER_SERVER.get(flags.service)
+        guess = f" (is it {other}?)" if other else ""
+        return f"{flags.address} does not serve {flags.service}{guess}: {code.name}: {details}", EXIT_FLAG
+    if code == grpc.StatusCode.NOT_FOUND and details.startswith("adapter ") and "adapter" in flags.fields:
+        # The decoder names no field for an adapter it has not loaded (NotFound): its words say which.
+        return f"{flags.fields['adapter']}: {details}", EXIT_FLAG
     violation = field_violation(error)
     if violation is not None and code in (
         grpc.StatusCode.INVALID_ARGUMENT,

@@ -142,6 +142,7 @@ async def _call(
             "output_dtype": describe_flag("dtype"),
             "pooling": describe_flag("pooling"),
         },
+        "tandem.v1.Encoder",
     )
     try:
         client = EncoderClient(values["address"], telemetry=telemetry, security=security)

@@ -163,7 +163,9 @@ async def _stream(
     for name in ("temperature", "top_p", "top_k", "seed"):
         if values[name] is not None:
             setattr(request.sampling, name, values[name])
-    flags = CallFlags(f"{describe_flag('address')} {values['address']}", _request_flags(parts))
+    flags = CallFlags(
+        f"{describe_flag('address')} {values['address']}", _request_flags(parts), "tandem.v1.Decoder"
+    )
     is_mid_line = False  # the streamed text ended without a newline: an error starts a line of its own
     # A stream that closes OK without its `finished` event is a decoder that broke the contract (or a
     # proxy that cut it short): the answer may be incomplete, so the command must not exit 0.
@@ -213,6 +215,7 @@ def _request_flags(parts: list[PromptPart]) -> dict[str, str]:
         "sampling.top_p": describe_flag("top_p"),
         "sampling.top_k": describe_flag("top_k"),
         "sampling.seed": describe_flag("seed"),
+        "adapter": describe_flag("adapter"),
         **structured_fields(),
     }
     fields.update({f"prompt[{i}]": part.flag() for i, part in enumerate(parts)})
@@ -282,7 +285,9 @@ async def _prompt(
                     else:
                         embedded = await encoder.embed(text=part.value)
                 except grpc.aio.AioRpcError as error:
-                    flags = CallFlags(encoder_address, {"text": part.flag(), "image": part.flag()})
+                    flags = CallFlags(
+                        encoder_address, {"text": part.flag(), "image": part.flag()}, "tandem.v1.Encoder"
+                    )
                     raise PartError(*failure(error, flags)) from None
                 segments.append(decoder_pb2.PromptSegment(embeddings=embedded.embeddings))
     finally:

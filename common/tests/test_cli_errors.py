@@ -1,0 +1,104 @@
+"""A client command's failed call names the flag to change, exit 2: an address serving the other service,
+an adapter the decoder has not loaded."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+import torch
+
+from tandem import embed_cli, generate_cli
+from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
+from tandem.common.server import RunningServer, ServerOptions, Service, start_server
+from tandem.common.torch_part import tensors
+
+
+class _Encoder(encoder_pb2_grpc.EncoderServicer):
+    async def Embed(
+        self, request: encoder_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> encoder_pb2.EmbedResponse:
+        return encoder_pb2.EmbedResponse(embeddings=tensors.encode(torch.ones(1, 4)))
+
+
+class _DecoderWithoutLora(decoder_pb2_grpc.DecoderServicer):
+    """Refuses any adapter as the decoder does (adapter_slots.py): NOT_FOUND, naming no field."""
+
+    async def Generate(
+        self, request: decoder_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
+        await context.abort(
+            grpc.StatusCode.NOT_FOUND,
+            f"adapter '{request.adapter}' is not loaded: this server runs without LoRA",
+        )
+        yield decoder_pb2.GenerateResponse()
+
+
+async def _serving(service: Service) -> RunningServer:
+    server = await start_server(ServerOptions(port=0), [service])
+    await server.set_serving()
+    return server
+
+
+ENCODER = Service("tandem.v1.Encoder", _Encoder(), encoder_pb2_grpc.add_EncoderServicer_to_server)
+GENERATE = "TANDEM_GENERATE"  # as `tandem generate` runs it: its flags' variables named in its errors
+DECODER = Service("tandem.v1.Decoder", _DecoderWithoutLora(), decoder_pb2_grpc.add_DecoderServicer_to_server)
+
+
+async def test_generate_at_the_encoders_address_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """It said "UNIMPLEMENTED: Method not found!", exit 1, naming no address."""
+    server = await _serving(ENCODER)
+    try:
+        argv = ["--address", server.address, "--prompt", "hi"]
+        with generate_cli.command().make_context("generate", argv, auto_envvar_prefix=GENERATE) as ctx:
+            assert await generate_cli._generate(dict(ctx.params)) == 2
+    finally:
+        await server.stop(0)
+    assert capsys.readouterr().err == (
+        f"tandem generate: --address (TANDEM_GENERATE_ADDRESS) {server.address} does not serve "
+        "tandem.v1.Decoder (is it the encoder?): UNIMPLEMENTED: Method not found!\n"
+    )
+
+
+async def test_an_embed_part_at_the_decoders_address_names_the_encoder_address(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With both addresses the decoder's, the bare line left the user to guess which one was wrong."""
+    server = await _serving(DECODER)
+    argv = ["--address", server.address, "--encoder-address", server.address, "--part", "embed:hi"]
+    try:
+        with generate_cli.command().make_context("generate", argv, auto_envvar_prefix=GENERATE) as ctx:
+            assert await generate_cli._generate(dict(ctx.params)) == 2
+    finally:
+        await server.stop(0)
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"tandem generate: --encoder-address (TANDEM_GENERATE_ENCODER_ADDRESS) {server.address} "
+        "does not serve tandem.v1.Encoder (is it the decoder?): "
+    )
+
+
+async def test_embed_at_the_decoders_address_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    server = await _serving(DECODER)
+    try:
+        with embed_cli.command().make_context("embed", ["--address", server.address, "--text", "hi"]) as ctx:
+            assert await embed_cli._embed(dict(ctx.params)) == 2
+    finally:
+        await server.stop(0)
+    assert "does not serve tandem.v1.Encoder (is it the decoder?)" in capsys.readouterr().err
+
+
+async def test_an_adapter_not_loaded_names_the_adapter_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """It was "NOT_FOUND: adapter 'nope' is not loaded: ...", exit 1, as if the server had failed."""
+    server = await _serving(DECODER)
+    argv = ["--address", server.address, "--prompt", "hi", "--adapter", "nope"]
+    try:
+        with generate_cli.command().make_context("generate", argv, auto_envvar_prefix=GENERATE) as ctx:
+            assert await generate_cli._generate(dict(ctx.params)) == 2
+    finally:
+        await server.stop(0)
+    assert capsys.readouterr().err == (
+        "tandem generate: --adapter (TANDEM_GENERATE_ADAPTER): adapter 'nope' is not loaded: this server "
+        "runs without LoRA\n"
+    )
