@@ -238,10 +238,10 @@ def _signal_while_starting(
     return signal_after_line(command, sig, after, env, to_group)
 
 
-def _assert_stopped_at_once(exited: Exited, said: str) -> None:
-    """Exit 0 within MAX_EXIT_WHILE_LOADING_S of the signal, having said why, without serving a
-    moment, and with nothing logged as an error."""
-    assert exited.after_s < MAX_EXIT_WHILE_LOADING_S, (exited.after_s, exited.log)
+def _assert_stopped_at_once(exited: Exited, said: str, within_s: float = MAX_EXIT_WHILE_LOADING_S) -> None:
+    """Exit 0 within `within_s` of the signal, having said why, without serving a moment, and with
+    nothing logged as an error."""
+    assert exited.after_s < within_s, (exited.after_s, exited.log)
     assert exited.status == 0, exited.log
     assert said in exited.log, exited.log
     assert "serving" not in exited.log.replace("NOT_SERVING", ""), exited.log
@@ -337,7 +337,12 @@ def test_a_signal_while_the_encoder_is_asked_for_its_model_stops_without_its_ans
     exited = _signal_while_starting(
         tiny_model_dir, signal.SIGTERM, "--dtype", "float32", "--encoder", silent, after=silent
     )
-    _assert_stopped_at_once(exited, "stopping before the encoder's model was checked")
+    # Not waiting for the answer is the promise: ENCODER_CHECK_S (30 s) against 0.9-1.2 s measured here
+    # (the signal handled 0.5 s after the line, the server's stop 0.26 s), 3.3 s in a clean-clone run
+    # beside other work, past the load's 2 s bound, which this path never had.
+    _assert_stopped_at_once(
+        exited, "stopping before the encoder's model was checked", decoder_serving.ENCODER_CHECK_S / 3
+    )
     assert exited.log.rstrip().endswith("stopped"), exited.log
 
 
