@@ -31,7 +31,7 @@ from typing import Any, TextIO
 import click
 import grpc
 
-from tandem.cli_errors import CallFlags, failure
+from tandem.cli_errors import CallFlags, answering, failure
 from tandem.client.client import DecoderClient, EncoderClient, EncoderPart, ImageRows
 from tandem.client.security import ChannelSecurity
 from tandem.common.client_security_flags import checked_client_security, client_security_options
@@ -114,7 +114,10 @@ def _start(**values: Any) -> int:
     args = argparse.Namespace(
         **values, structured=structured, flags=flags, encoder_flag=encoder_flag, pictures=pictures
     )
-    return asyncio.run(run_chat(args, sys.stdin, sys.stdout))
+    if sys.stdin is None:  # closed (`<&-`): no turn to read, the end of input at once
+        with open(os.devnull) as nothing:
+            return answering(PROG, lambda: asyncio.run(run_chat(args, nothing, sys.stdout)))
+    return answering(PROG, lambda: asyncio.run(run_chat(args, sys.stdin, sys.stdout)))
 
 
 async def run_chat(

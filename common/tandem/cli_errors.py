@@ -12,8 +12,12 @@ Anything else is the status as the server said it, exit 1.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, TextIO
 
 import grpc
 
@@ -61,6 +65,67 @@ def failure(error: grpc.aio.AioRpcError, flags: CallFlags) -> tuple[str, int]:
         if flag is not None:
             return f"{flag}: {description} (the request's {field})", EXIT_FLAG
     return f"{code.name}: {details}", EXIT_FAILED
+
+
+class AnswerLost(Exception):
+    """Standard output refused a write of the answer; not an OSError, so that no handler of a file's
+    errors takes it for its own."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error.strerror or str(error))
+        self.error = error
+
+
+class _Answers:
+    """Standard output, its write errors raised as AnswerLost."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as error:
+            raise AnswerLost(error) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as error:
+            raise AnswerLost(error) from None
+
+    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding: the stream's own
+        return getattr(self._stream, name)
+
+
+def answering(prog: str, run: Callable[[], int]) -> int:
+    """`run()`'s exit code, the answer it prints going to standard output, and flushed there. Where it
+    cannot go, one line on stderr and EXIT_FAILED: a closed stdout (`>&-`: print wrote nowhere and the
+    exit was 0) or a refused write (`>/dev/full`: an ENOSPC traceback). A reader that left (EPIPE,
+    `| head -1`) gets no line, as `up` reads it (up_processes._write): nobody is there to read it."""
+    if sys.stdout is None:
+        print(f"{prog}: standard output is closed: nowhere to write the answer", file=sys.stderr)
+        return EXIT_FAILED
+    answers = _Answers(sys.stdout)
+    try:
+        with contextlib.redirect_stdout(answers):  # type: ignore[type-var]
+            code = run()
+            answers.flush()
+        return code
+    except AnswerLost as lost:
+        _discard(sys.stdout)
+        if not isinstance(lost.error, BrokenPipeError):
+            print(f"{prog}: cannot write the answer to standard output: {lost}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _discard(stream: TextIO) -> None:
+    """What is still buffered of `stream`, and later writes, to /dev/null: Python's flush at exit would
+    otherwise fail again and say so in its own words ("Exception ignored ...")."""
+    with contextlib.suppress(OSError, ValueError):  # ValueError: no descriptor (a test's capture)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
 
 
 def flag_of(field: str, fields: Mapping[str, str]) -> str | None:

@@ -90,10 +90,16 @@ def command() -> click.Command:
                 default=False,
             ),
         ],
-        callback=lambda **values: asyncio.run(_embed(values)),
+        callback=_start,
         help="Embed a text, token IDs or an image with a running encoder: a summary, or the rows in a file.",
         context_settings=CONTEXT_SETTINGS,
     )
+
+
+def _start(**values: Any) -> int:
+    from tandem.cli_errors import answering  # grpc with it: not for --help
+
+    return answering(PROG, lambda: asyncio.run(_embed(values)))
 
 
 async def _embed(values: dict[str, Any]) -> int:

@@ -124,10 +124,16 @@ def command() -> click.Command:
                 default=False,
             ),
         ],
-        callback=lambda **values: asyncio.run(_generate(values)),
+        callback=_start,
         help="Stream a generation from a running decoder; the prompt mixes text, token IDs and embeddings.",
         context_settings=CONTEXT_SETTINGS,
     )
+
+
+def _start(**values: Any) -> int:
+    from tandem.cli_errors import answering  # grpc with it: not for --help
+
+    return answering(PROG, lambda: asyncio.run(_generate(values)))
 
 
 async def _generate(values: dict[str, Any]) -> int:

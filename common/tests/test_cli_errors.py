@@ -1,14 +1,18 @@
 """A client command's failed call names the flag to change, exit 2: an address serving the other service,
-an adapter the decoder has not loaded."""
+an adapter the decoder has not loaded. An answer standard output cannot take is one line, exit 1."""
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
+from common.tests.ports import free_port
 from tandem import embed_cli, generate_cli
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
@@ -102,3 +106,54 @@ async def test_an_adapter_not_loaded_names_the_adapter_flag(capsys: pytest.Captu
         "tandem generate: --adapter (TANDEM_GENERATE_ADAPTER): adapter 'nope' is not loaded: this server "
         "runs without LoRA\n"
     )
+
+
+class _Decoder(decoder_pb2_grpc.DecoderServicer):
+    """Accepts, streams one delta, finishes."""
+
+    async def Generate(
+        self, request: decoder_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
+        yield decoder_pb2.GenerateResponse(accepted=decoder_pb2.PromptAccepted())
+        yield decoder_pb2.GenerateResponse(delta=decoder_pb2.TokenDelta(text="hi"))
+        yield decoder_pb2.GenerateResponse(
+            finished=decoder_pb2.Finished(reason=decoder_pb2.FINISH_REASON_LENGTH)
+        )
+
+
+async def _tandem(*argv: str, redirect: str) -> tuple[int, str]:
+    """`tandem ARGV` in a shell with `redirect` applied (`>&-`, `>/dev/full`, `<&-`): exit code, stderr."""
+    script, tandem = f'exec "$@" {redirect}', "from tandem import cli; raise SystemExit(cli.main())"
+    process = await asyncio.create_subprocess_exec(
+        "sh", "-c", script, "sh", sys.executable, "-c", tandem, *argv, stderr=asyncio.subprocess.PIPE
+    )
+    _, err = await asyncio.wait_for(process.communicate(), timeout=120)
+    return process.returncode or 0, err.decode()
+
+
+@pytest.mark.parametrize(
+    ("redirect", "said"),
+    [
+        (">/dev/full", "cannot write the answer to standard output: No space left on device"),
+        (">&-", "standard output is closed: nowhere to write the answer"),
+    ],
+)
+async def test_an_answer_standard_output_cannot_take_is_one_line_and_exit_1(redirect: str, said: str) -> None:
+    """/dev/full was an OSError traceback; a closed stdout exited 0 with the answer lost."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    service = Service("tandem.v1.Decoder", _Decoder(), decoder_pb2_grpc.add_DecoderServicer_to_server)
+    server = await _serving(service)
+    try:
+        code, err = await _tandem(
+            "generate", "--address", server.address, "--prompt", "hi", redirect=redirect
+        )
+    finally:
+        await server.stop(0)
+    assert (code, err) == (1, f"tandem generate: {said}\n")
+
+
+async def test_chat_with_stdin_closed_ends_at_once(tmp_path: Path) -> None:
+    """`tandem chat <&-` was an AttributeError traceback ('NoneType' has no 'isatty'): now no turn, exit 0."""
+    code, err = await _tandem("chat", "--address", f"127.0.0.1:{free_port()}", redirect="<&-")
+    assert (code, err) == (0, "")
