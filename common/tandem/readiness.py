@@ -8,6 +8,7 @@ TLS is configured. Blocking calls, for a command or a thread: nothing here needs
 
 from __future__ import annotations
 
+import http.client
 import threading
 import time
 import urllib.error
@@ -51,6 +52,8 @@ class Probe:
                 return f"HTTP {error.code}"
             except (urllib.error.URLError, OSError) as error:
                 return str(getattr(error, "reason", error))
+            except http.client.HTTPException as error:  # not HTTP at all: a gRPC port (BadStatusLine)
+                return f"not an HTTP answer ({type(error).__name__})"
         stub = health_pb2_grpc.HealthStub(self._channels[target])
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)

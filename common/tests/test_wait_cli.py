@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -146,3 +149,24 @@ def test_a_key_that_cannot_be_checked_here_names_the_flag_and_tmpdir(
     )
     assert err.endswith(": set TMPDIR to a writable folder\n")
     assert err.count("\n") == 1
+
+
+def test_an_http_target_that_answers_no_http_is_waited_on_like_any_other(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A gRPC port given as `http://.../health` answered bytes no HTTP status line reads: a BadStatusLine
+    traceback (57 lines). Now it is a target not serving yet, and the wait ends at its timeout."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def answer_not_http() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    connection, _ = listener.accept()
+                    with connection:
+                        connection.sendall(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00garbage\r\n\r\n")
+
+        threading.Thread(target=answer_not_http, daemon=True).start()
+        target = f"http://127.0.0.1:{port}/health"
+        assert cli.main(["wait", "--timeout-s", "0.5", target]) == 1
+    assert capsys.readouterr().err.endswith(f"{target}: not an HTTP answer (BadStatusLine)\n")
