@@ -83,3 +83,15 @@ async def test_of_a_finish_all_and_a_stop_that_both_raise_finish_alls_goes_on_an
     assert server.stopped
     [record] = [r for r in caplog.records if r.name == "tandem.decoder"]
     assert record.levelname == "ERROR" and "the stop failed" in caplog.text
+
+
+async def test_a_drain_cancelled_during_the_grace_still_leaves_the_server_stopped_and_is_cancelled() -> None:
+    """A cancel of the task serving (a test's, or serve run inside another loop) during the grace left
+    the stop running unawaited, as finish_all's error did."""
+    server = _SlowServer(stop_s=0.3)
+    draining = asyncio.create_task(drain(server, _Engine(), grace_s=10))  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    draining.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await draining
+    assert server.stopped

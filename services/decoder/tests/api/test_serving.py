@@ -211,3 +211,43 @@ async def test_a_load_that_raises_other_than_a_load_failure_stops_the_server_and
     with pytest.raises(AssertionError, match="a bug in the load"):
         await serving.serve(held.config)
     held.assert_all_released(is_loaded=False)
+
+
+async def test_encoder_parts_that_cannot_be_set_up_for_an_os_error_fail_in_one_line_naming_them(
+    held: Held, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not "could not read <checkpoint> once loaded": the parts' shared memory may be what failed."""
+    with_encoder(held)
+    monkeypatch.setattr(serving, "EncoderParts", raising(OSError(28, "No space left on device")))
+    assert await serving.serve(held.config) is serving.Outcome.FAILED
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ["could not set up the parts --encoder fetches: [Errno 28] No space left on device"]
+    held.assert_all_released()
+
+
+async def test_releases_taken_in_turn_keep_every_error_in_the_chain() -> None:
+    """Each release is taken whatever an earlier one raised, and the error that goes on carries the
+    earlier ones as its __context__, as nested `finally` blocks give: with an AsyncExitStack a failed
+    drain vanished behind a failed telemetry shutdown, and a load's own error behind either."""
+    taken: list[str] = []
+
+    def step(name: str, error: Exception | None = None) -> Callable[[], None]:
+        def take() -> None:
+            taken.append(name)
+            if error is not None:
+                raise error
+
+        return take
+
+    drained, flushed = RuntimeError("drain"), RuntimeError("telemetry")
+    with pytest.raises(RuntimeError) as raised:
+        await serving._in_turn(step("drain", drained), step("engine"), step("telemetry", flushed))
+    assert taken == ["drain", "engine", "telemetry"]
+    assert raised.value is flushed and flushed.__context__ is drained
+    loaded, stopped = ValueError("load"), RuntimeError("stop")
+    with pytest.raises(RuntimeError) as raised:
+        try:
+            raise loaded
+        except ValueError:
+            await serving._in_turn(step("stop", stopped), step("telemetry"))
+    assert raised.value is stopped and stopped.__context__ is loaded

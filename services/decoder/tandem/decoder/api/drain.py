@@ -26,17 +26,18 @@ async def drain(running: RunningServer, engine: Engine, grace_s: float) -> None:
     # The notice within `grace_s`, not its cut: a Generate taken after `grace_s` would not be ended
     # by finish_all below and would run until gRPC's cut.
     stopping = asyncio.ensure_future(running.stop(grace_s + CUT_S, notice_s=notice_within(grace_s)))
-    done, _ = await asyncio.wait({stopping}, timeout=grace_s)
-    if not done:
-        try:
+    try:
+        done, _ = await asyncio.wait({stopping}, timeout=grace_s)
+        if not done:
             num_aborted = engine.finish_all(FinishReason.ABORTED)
-        except BaseException:
-            # The server still stops (gRPC cuts the streams left at the stop's deadline): the stop was
-            # left running unawaited, and whoever handles this error went on with the server half
-            # stopped. finish_all's error is the one that goes on; the stop's own is logged.
-            await asyncio.wait({stopping})
-            if not stopping.cancelled() and (stop_error := stopping.exception()) is not None:
-                log.error("the server's stop failed too", exc_info=stop_error)
-            raise
-        log.info("grace period over: %d open requests end with FINISH_REASON_ABORTED", num_aborted)
+            log.info("grace period over: %d open requests end with FINISH_REASON_ABORTED", num_aborted)
+    except BaseException:
+        # A finish_all that raised, or a cancel of the drain during the grace: the server still stops
+        # (gRPC cuts the streams left at the stop's deadline). The stop was left running unawaited, and
+        # whoever handles this error went on with the server half stopped. This error is the one that
+        # goes on; the stop's own is logged.
+        await asyncio.wait({stopping})
+        if not stopping.cancelled() and (stop_error := stopping.exception()) is not None:
+            log.error("the server's stop failed too", exc_info=stop_error)
+        raise
     await stopping

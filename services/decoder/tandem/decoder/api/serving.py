@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import enum
 import logging
@@ -172,7 +171,12 @@ async def _until_serving(
     try:
         servicer.token_table_sample = checkpoint_sample(model_dir)  # 16 rows read
         servicer.weight_samples = checkpoint_weight_samples(model_dir)  # 16 rows a tensor
-        if config.encoder_address:
+    except OSError as error:  # the checkpoint changed since it loaded (a file removed, a disk gone)
+        log.error("could not read %s once loaded: %s", model_dir, error)
+        log.debug("the read failed here", exc_info=True)
+        return Outcome.FAILED
+    if config.encoder_address:
+        try:
             servicer.encoder_parts = EncoderParts(
                 config.encoder_address,
                 engine.model_config.dtype,
@@ -183,10 +187,10 @@ async def _until_serving(
                 model_name=config.model_name,
                 hidden_size=engine.model_config.hidden_size,
             )
-    except OSError as error:  # the checkpoint changed since it loaded (a file removed, a disk gone)
-        log.error("could not read %s once loaded: %s", model_dir, error)
-        log.debug("the read failed here", exc_info=True)
-        return Outcome.FAILED
+        except OSError as error:  # its sample of the checkpoint, or the shared memory it maps
+            log.error("could not set up the parts --encoder fetches: %s", error)
+            log.debug("the set-up failed here", exc_info=True)
+            return Outcome.FAILED
     if servicer.encoder_parts is not None:
         log.info("encoder parts are fetched from %s", config.encoder_address)
         checking = asyncio.ensure_future(servicer.encoder_parts.check_model(ENCODER_CHECK_S))
@@ -241,10 +245,16 @@ async def _in_turn(*steps: Callable[[], Awaitable[object] | None]) -> None:
     """Takes each of `steps` (a call, or a call whose awaitable is awaited) in turn, whatever an earlier
     one raised: one release that fails must not leave the next thing held (an engine thread that the
     interpreter's exit joins, a port still bound, spans never flushed). An error is raised once all
-    were taken: the last, any earlier one its __context__, as nested `finally` blocks give."""
-    async with contextlib.AsyncExitStack() as stack:
-        for step in reversed(steps):  # a stack takes them last in, first out
-            stack.push_async_callback(_take, step)
+    were taken: the last, any earlier one its __context__, as nested `finally` blocks give, and one
+    already in flight where this is called (a failed load, a cancel) the first of them. Nested
+    `finally` blocks, not an AsyncExitStack: the stack ended a failed release's __context__ chain at
+    it, so a drain and a telemetry shutdown that both failed showed the telemetry's error alone."""
+    first, *rest = steps
+    try:
+        await _take(first)
+    finally:
+        if rest:
+            await _in_turn(*rest)
 
 
 async def _take(step: Callable[[], Awaitable[object] | None]) -> None:
