@@ -20,6 +20,10 @@ from tandem.gateway.answer_metrics import (
     observe_answer_bytes,
 )
 from tandem.gateway.config import GatewayConfig
+from tandem.gateway.connection_metrics import (
+    TANDEM_GATEWAY_CONNECTIONS_EVICTED,
+    TANDEM_GATEWAY_CONNECTIONS_REFUSED,
+)
 from tandem.gateway.replica_metrics import TANDEM_GATEWAY_REPLICAS_LEFT_OUT
 
 from .fake_decoder import fake_decoder
@@ -87,8 +91,14 @@ async def test_serve_reports_the_gauges_when_metrics_are_exported(monkeypatch: p
         task = asyncio.ensure_future(gateway_main.serve(config, ready))
         try:
             await asyncio.wait_for(ready, 30)
-            # One decoder address is a replica watched, its gauge of those left out beside them.
-            assert _readings(reader) == dict.fromkeys((*NAMES, TANDEM_GATEWAY_REPLICAS_LEFT_OUT), 0)
+            # One decoder address is a replica watched, its gauge of those left out beside them, and the
+            # counters of connections at --max-connections.
+            others = (
+                TANDEM_GATEWAY_REPLICAS_LEFT_OUT,
+                TANDEM_GATEWAY_CONNECTIONS_EVICTED,
+                TANDEM_GATEWAY_CONNECTIONS_REFUSED,
+            )
+            assert _readings(reader) == dict.fromkeys((*NAMES, *others), 0)
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -42,6 +42,7 @@ from tandem.gateway.app import FIRST_HEALTH_S, Gateway
 from tandem.gateway.bodies import BodyWorkers
 from tandem.gateway.callers import decoder_channels, model_check_metadata
 from tandem.gateway.config import DEFAULT_PORT, GatewayConfig
+from tandem.gateway.connection_metrics import observe_connections
 from tandem.gateway.connections import (
     LINGERING_S,
     ConnectionGuard,
@@ -300,6 +301,8 @@ async def serve(
     gateway.guard = ConnectionGuard(
         handlers, config.max_connections, config.header_timeout_s, config.write_timeout_s
     )
+    if telemetry.is_metrics:
+        observe_connections(telemetry.meter, gateway.guard)
     own_process = ready is None  # (tests run it on their loop, in their process)
     if own_process:  # its start-up heap out of the collector's full passes, before anything is served
         freeze_startup_heap()

@@ -41,22 +41,36 @@ address that never sent a request head held all 512 places: every other caller, 
 /health among them, was answered 503 for the 10 s of `header_timeout_s`, and the sockets were renewed as
 they were closed, so the kubelet's readiness probe would take the pod out of its Service. A place held
 by a connection that waits for a request head (a first one, or the next on a keep-alive connection)
-holds nothing of anyone's: so a new connection at the bound closes one of those, the one open longest of
-the address that holds the most of them, and is let in; only where every connection is mid-request or
-mid-answer is it refused 503. Waiting is aiohttp's own reading, the one its keep-alive timeout closes
-by: its handler awaits the next request head (`_waiter`, a private name of its RequestHandler), with
-none queued; and nothing of an answer is left unsent in the transport. A head that arrived and a body, a
-handler, a stream or a lingering read under way are not waiting: never closed so (nor is a connection
-just accepted whose handler has not run yet, for that one pass of the loop). An address is the health
-Watch share's (`tandem.common.health.watcher_of`: an IPv4 address, an IPv6 /64), so whoever holds the
-most waiting places gives them up first, one per new connection: sockets from one address renewed as
-fast as they are closed now close their own, and a caller from another address is let in and answered.
-Behind one address (a NAT, an ingress) callers alone keep every place as before, only a connection of
-theirs that waits is closed for one of theirs that is new; nginx, out of connections, closes its
-keep-alive ones alike (its reusable connections). The open connections are counted in one pass, kept for
-the next connections at the bound while their address still leads (`_evict_one`). Where aiohttp lays its
-handler out otherwise (no `_waiter`), no connection is seen waiting and each new one at the bound is
-refused, as before (test_connections' tests of a place given up fail then).
+holds nothing of anyone's: so a new connection at the bound closes one of those, the one waiting longest
+of the address that holds the most of them (the new one counted against its own), and is let in; only
+where every connection is mid-request or mid-answer is it refused 503. Waiting is aiohttp's own reading,
+the one its keep-alive timeout closes by: its handler awaits the next request head (`_waiter`, a private
+name of its RequestHandler), with none queued; and nothing of an answer is left unsent in the transport.
+A connection that has received nothing waits too, its handler run or not (accepted in the same pass of
+the loop as the new one, it was not counted, and a caller among a burst of silent sockets was refused).
+A head that arrived and a body, a handler, a stream or a lingering read under way are not waiting: never
+closed so, nor is one whose bytes have arrived that the loop has not read yet (`_has_bytes`, looked at
+for the one chosen alone). Waiting longest is waiting since the connection last received bytes or had
+an answer written (`_Guarded.waits_since`; a silent socket: since it was made), as nginx takes the least
+recently used of its keep-alive connections: by when each was opened, a pooled connection in steady
+use, opened first, was closed first, and a request it sent as it was closed was lost. What remains: a
+request sent on a connection chosen before its bytes arrive is lost with it (its caller sees the end of
+a connection it reused, as at aiohttp's keep-alive timeout, and retries or fails: urllib3 does not retry
+a POST); a head arriving in parts keeps none of its place (each part puts it last of its address's,
+but a connection sending a byte now and then must not hold a place). An address is the health Watch
+share's (`tandem.common.health.watcher_of`: an IPv4 address, an IPv6 /64), so whoever holds the most
+waiting places gives them up first, one per new connection, and of addresses holding as many, the new
+connection's own: sockets from one address renewed as fast as they are closed now close their own, and a
+caller from another address is let in and answered (not counted, the newcomer lost every tie: one address
+opening silent sockets took 5 of 8 places from another's pool of 6, and now takes 4). Behind one address
+(a NAT, an ingress) callers alone keep every place as before, only a connection of theirs that waits is
+closed for one of theirs that is new; nginx, out of connections, closes its keep-alive ones alike (its
+reusable connections). The open connections are counted in one pass, kept for the next connections at
+the bound while their address still leads (`_evict_one`). Each connection closed or refused so is
+counted (`tandem.gateway.connections.evicted` and `.refused`: connection_metrics.py) and said in a
+WARNING line at most every TELL_EVERY_S naming the address that lost the most (`_AtTheBound`). Where
+aiohttp lays its handler out otherwise (no `_waiter`), only connections that received nothing are seen
+waiting (test_connections' tests of a keep-alive place given up fail then).
 """
 
 from __future__ import annotations
@@ -66,9 +80,11 @@ import collections
 import json
 import logging
 import resource
+import select
 import socket
 import struct
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -111,6 +127,13 @@ NUM_WRITE_LOOKS = 4
 # FreeBSD's TCP_INFO lays its struct out otherwise: read on Linux alone.
 TCP_INFO = getattr(socket, "TCP_INFO", None) if sys.platform == "linux" else None
 BYTES_ACKED_OFFSET = 120
+
+# How long a pass at the bound that found no connection waiting for a request head stands for those
+# that an answer's unsent bytes held (`ConnectionGuard._evict_one`): nothing tells when they are gone.
+NONE_WAITING_S = 0.1
+
+# At most one WARNING line in this many seconds on connections closed or refused at the bound.
+TELL_EVERY_S = 10.0
 
 # Descriptors beside the connections and their decoder channels: the listener, the services'
 # channels, the body workers' pipes, logs, imports.
@@ -177,6 +200,10 @@ class ConnectionGuard:
         # The last pass's waiting connections of the address with the most, and its lead (`_evict_one`).
         self._victims: collections.deque[_Guarded] = collections.deque()
         self._lead = 0
+        self._counted_at = 0.0  # when that pass was made (time.monotonic)
+        self._none_waiting_until = 0.0  # a pass found none waiting: none is made again before then
+        self._poll = select.poll()  # one connection's socket at a time (`_has_bytes`)
+        self._at_the_bound = _AtTheBound(max_connections)
         self._waiting: dict[asyncio.BaseTransport, asyncio.TimerHandle] = {}  # no request head yet
         self._writes: dict[asyncio.BaseTransport, _Writes] = {}  # every open connection's
         self._looks: asyncio.TimerHandle | None = None  # the next look at them, while any is open
@@ -193,14 +220,16 @@ class ConnectionGuard:
     def _open(self, guarded: _Guarded, transport: asyncio.BaseTransport) -> asyncio.Protocol | None:
         """aiohttp's protocol for a new connection, or None (and the connection refused) at the bound
         with no connection waiting for a request head to close in its place."""
-        if self.num_open >= self.max_connections and not self._evict_one():
+        if self.num_open >= self.max_connections and not self._evict_one(guarded):
             self.num_refused += 1
+            self._at_the_bound.refused(guarded.address)
             assert isinstance(transport, asyncio.WriteTransport)
             transport.write(REFUSAL)
             transport.close()
             return None
         self.num_open += 1
         self._open_ones[transport] = guarded
+        self.may_wait()  # this one, until it sends a head
         loop = asyncio.get_running_loop()
         self._waiting[transport] = loop.call_later(self.header_timeout_s, self._no_head, transport)
         assert isinstance(transport, asyncio.WriteTransport)
@@ -209,46 +238,98 @@ class ConnectionGuard:
             self._looks = loop.call_later(self.write_timeout_s / NUM_WRITE_LOOKS, self._look)
         return self._protocol()
 
-    def _evict_one(self) -> bool:
-        """Closes the connection open longest of those waiting for a request head from the address
-        that has the most of them; False where none waits (the module's NOTE).
+    def may_wait(self) -> None:
+        """A connection may wait for a request head from now (let in, or its answer written): the next
+        connection at the bound counts the waiting ones again, where the last count found none."""
+        self._none_waiting_until = 0.0
+
+    def _evict_one(self, newcomer: _Guarded) -> bool:
+        """Closes the connection waiting longest for a request head of the address that has the most
+        of them, `newcomer` counted against its own; False where none waits (the module's NOTE).
 
         NOTE: why a pass is not made for every connection. A pass over 512 connections cost about
         0.25 ms of CPU: a connection at the bound took 0.49-0.51 ms (this process's, its client's
         included), a refusal 0.14-0.22 ms, and sockets from one address renewed as fast as they are
         closed paid it each time. So a pass keeps the heaviest address's other waiting connections
-        (`_victims`) and its lead over the next address: each connection closed from them since takes
-        1 from the lead, and the connection let in for it may add 1 to another address, so they are
-        still the most while the lead is 2 or more, and it is spent 2 at a time (1 for one found no
-        longer waiting). A lead of 510 serves 255 connections on one pass: 0.22-0.30 ms a connection.
-        What the pass did not see are connections of other addresses that went on to wait since: they
-        are counted at the next pass, made once the lead is spent or a connection closes of itself."""
-        while self._lead >= 2 and self._victims:
+        (`_victims`, waiting longest first) and its lead over the next address, the new connection
+        counted against its own: each connection closed from them since takes 1 from the lead, and each
+        new one may add 1 to another address, so they are still strictly the most while the lead is 1
+        or more, and it is spent 2 at a time (1 for one found no longer waiting, or used since the
+        count). A lead of 510 serves 255 connections on one pass. What the pass did not see are
+        connections of other addresses that went on to wait since: they are counted at the next pass,
+        made once the lead is spent or a connection closes of itself. A pass that finds none waiting is
+        not made again (each refusal paid it: 0.155-0.175 ms of the gateway's CPU a refusal, 512
+        connections held mid-request, against 0.065-0.072 before any place was given up, and 0.073-0.092
+        now, on one host) until a
+        connection may wait (`may_wait`: one let in, one whose answer was written, one closed), or for
+        `NONE_WAITING_S` (an answer's unsent bytes gone, which nothing tells)."""
+        now = time.monotonic()
+        if now < self._none_waiting_until:
+            return False
+        while self._lead >= 1 and self._victims:
             guarded = self._victims.popleft()
-            if guarded.transport in self._open_ones and guarded.awaits_request():
+            if (
+                guarded.waits_since <= self._counted_at
+                and guarded.transport in self._open_ones
+                and guarded.awaits_request()
+                and not self._has_bytes(guarded)
+            ):
                 self._lead -= 2
                 self._evict(guarded)
                 return True
             self._lead -= 1
-        waiting: dict[str, list[_Guarded]] = {}  # each address's, open longest first
+        # Each address's waiting connections, the new connection's address first: of addresses with as
+        # many (it counted), its own gives one up.
+        waiting: dict[str, list[_Guarded]] = {newcomer.address: []}
         for guarded in self._open_ones.values():
             if guarded.awaits_request():
                 waiting.setdefault(guarded.address, []).append(guarded)
-        if not waiting:
+        counts = sorted(
+            ((len(ones) + (address == newcomer.address), ones) for address, ones in waiting.items()),
+            key=_count_of,
+            reverse=True,
+        )
+        # The first with one waiting: the new one's address counts 1 with none of its own waiting, and
+        # then the next has 1 too, or none waits.
+        chosen = next((i for i, (_, ones) in enumerate(counts) if ones), None)
+        if chosen is None:
+            self._none_waiting_until = now + NONE_WAITING_S
             return False
-        # The most waiting; of addresses with as many, the first to have one (a stable sort, in the
-        # order each address's first waiting connection was opened).
-        most, *others = sorted(waiting.values(), key=len, reverse=True)
-        self._victims = collections.deque(most[1:])
-        self._lead = len(most) - (len(others[0]) if others else 0) - 2  # this one closed, one let in
-        self._evict(most[0])
-        return True
+        count, most = counts[chosen]
+        lead = count - max((other for i, (other, _) in enumerate(counts) if i != chosen), default=0)
+        most.sort(key=_waits_since)  # waiting longest first
+        for i, guarded in enumerate(most):
+            if not self._has_bytes(guarded):  # else its next head arrived, not yet read: not waiting
+                self._victims = collections.deque(most[i + 1 :])
+                self._lead = lead - i - 2  # this one closed, one let in
+                self._counted_at = now
+                self._evict(guarded)
+                return True
+        self._victims.clear()
+        self._lead = 0
+        return False  # every one of them has bytes arrived: rare, and a new pass comes next time
+
+    def _has_bytes(self, guarded: _Guarded) -> bool:
+        """Whether bytes (or an end) from `guarded`'s caller arrived that the loop has not read yet: a
+        request sent as the count was made, which closing it would lose."""
+        sock = guarded.transport.get_extra_info("socket") if guarded.transport is not None else None
+        if sock is None:
+            return False
+        fd = sock.fileno()
+        if fd < 0:
+            return False
+        self._poll.register(fd, select.POLLIN)
+        try:
+            return bool(self._poll.poll(0))
+        finally:
+            self._poll.unregister(fd)
 
     def _evict(self, guarded: _Guarded) -> None:
         transport = guarded.transport
         assert transport is not None
         self._forget(transport)  # its place is the new connection's now, not once its close completes
         self.num_evicted += 1
+        self._at_the_bound.evicted(guarded.address)
         transport.close()  # nothing of it is unsent: its caller reads an end, then a closed connection
 
     def _look(self) -> None:
@@ -283,6 +364,7 @@ class ConnectionGuard:
             # A place is free: the next connection closes none, and the one after counts afresh.
             self._victims.clear()
             self._lead = 0
+            self.may_wait()
 
     def _forget(self, transport: asyncio.BaseTransport) -> None:
         """`transport` no longer counted among the open connections, nor timed, nor looked at."""
@@ -307,6 +389,10 @@ class _Guarded(asyncio.Protocol):
         self.transport: asyncio.BaseTransport | None = None
         self.address = ""  # whose share it counts against (`address_of`), once made
         self._writes: _Writes | None = None  # the guard's look at its unsent bytes, once let in
+        # When it last did anything but wait (time.monotonic): made, bytes received, an answer written.
+        # Waiting for a head now, it has waited since then: a silent socket since it was made.
+        self.waits_since = time.monotonic()
+        self._heard = False  # any byte received
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
@@ -314,7 +400,13 @@ class _Guarded(asyncio.Protocol):
         self._inner = self._guard._open(self, transport)
         if self._inner is not None:
             self._writes = self._guard._writes[transport]
+            if isinstance(self._inner, OpenAIRequestHandler):
+                self._inner.answered = self._answered
             self._inner.connection_made(transport)
+
+    def _answered(self) -> None:
+        self.waits_since = time.monotonic()
+        self._guard.may_wait()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._inner is not None and self.transport is not None:
@@ -324,18 +416,24 @@ class _Guarded(asyncio.Protocol):
     def awaits_request(self) -> bool:
         """Whether aiohttp's handler waits for a request head, none queued, with nothing of an answer
         unsent: its keep-alive timeout's own reading of idle (the module's NOTE)."""
-        waiter = getattr(self._inner, "_waiter", None)
         transport = self.transport
-        return (
-            isinstance(waiter, asyncio.Future)
-            and not waiter.done()
-            and isinstance(transport, asyncio.WriteTransport)
-            and not transport.is_closing()
-            and transport.get_write_buffer_size() == 0
-        )
+        if (
+            not isinstance(transport, asyncio.WriteTransport)
+            or transport.is_closing()
+            or transport.get_write_buffer_size()
+        ):
+            return False
+        waiter = getattr(self._inner, "_waiter", None)
+        if isinstance(waiter, asyncio.Future):
+            return not waiter.done()
+        # No waiter: its handler has not run yet (let in this pass of the loop), or is handling a request.
+        # One that has received nothing waits for its first head either way.
+        return not self._heard
 
     def data_received(self, data: bytes) -> None:
         if self._inner is not None:
+            self._heard = True
+            self.waits_since = time.monotonic()
             self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -350,6 +448,57 @@ class _Guarded(asyncio.Protocol):
         if self._inner is not None and self._writes is not None:
             self._writes.resume()
             self._inner.resume_writing()
+
+
+def _count_of(entry: tuple[int, list[_Guarded]]) -> int:
+    return entry[0]
+
+
+def _waits_since(guarded: _Guarded) -> float:
+    return guarded.waits_since
+
+
+class _AtTheBound:
+    """The connections closed and refused at the bound said in one WARNING line at most every
+    TELL_EVERY_S: the first at once, those after it in the line at the end of that time (the counts
+    since the last line, and the address that lost the most connections or was refused the most)."""
+
+    def __init__(self, max_connections: int) -> None:
+        self._max_connections = max_connections
+        self._evicted: collections.Counter[str] = collections.Counter()  # since the last line, by address
+        self._refused: collections.Counter[str] = collections.Counter()
+        self._next: asyncio.TimerHandle | None = None  # the end of the last line's TELL_EVERY_S
+
+    def evicted(self, address: str) -> None:
+        self._evicted[address] += 1
+        self._told()
+
+    def refused(self, address: str) -> None:
+        self._refused[address] += 1
+        self._told()
+
+    def _told(self) -> None:
+        if self._next is None:
+            self._tell()
+
+    def _tell(self) -> None:
+        if not self._evicted and not self._refused:
+            self._next = None  # quiet since the last line: the next event is said at once
+            return
+        parts = []
+        for counted, what, whose in (
+            (self._evicted, "connections waiting for a request head closed for new ones", "of"),
+            (self._refused, "new connections refused 503, none waiting", "from"),
+        ):
+            if counted:
+                address, most = counted.most_common(1)[0]
+                parts.append(f"{counted.total()} {what} (most {whose} {address}: {most})")
+        log.warning(
+            "at --max-connections %d since the last such line: %s", self._max_connections, "; ".join(parts)
+        )
+        self._evicted.clear()
+        self._refused.clear()
+        self._next = asyncio.get_running_loop().call_later(TELL_EVERY_S, self._tell)
 
 
 class _Writes:
@@ -416,11 +565,23 @@ class OpenAIRequestHandler(web.RequestHandler):
         # itself (its shutdown past the grace, a write timeout's abort), and by then its transport is gone
         # either way: what ended the connection is seen here, as it ends.
         self.is_left_by_caller = False
+        # Told when an answer is written, the connection then waiting for its next head or lingering
+        # (`_Guarded`: how long a connection has waited).
+        self.answered: Callable[[], None] | None = None
         # A private name: an aiohttp without it (a later release) keeps its own parser and the 408 of old,
         # rather than a gateway that cannot take a connection (test_body_timeouts tells which it is).
         parser = getattr(self, "_parser", None)
         if callable(getattr(parser, "feed_data", None)):
             self._parser = _BodyFailures(parser)
+
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            if self.answered is not None:
+                self.answered()
 
     def eof_received(self) -> None:
         self.is_left_by_caller = True  # the caller's FIN: the transport closes the connection on it
