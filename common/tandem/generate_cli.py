@@ -224,7 +224,13 @@ def _request_flags(parts: list[PromptPart]) -> dict[str, str]:
         "adapter": describe_flag("adapter"),
         **structured_fields(),
     }
-    fields.update({f"prompt[{i}]": part.flag() for i, part in enumerate(parts)})
+    # --prompt with its variable, as every other flag is named (part.flag() is said outside a command too).
+    fields.update(
+        {
+            f"prompt[{i}]": describe_flag("prompt") if part.is_prompt else part.flag()
+            for i, part in enumerate(parts)
+        }
+    )
     return fields
 
 

@@ -14,7 +14,9 @@ import torch
 
 from common.tests.ports import free_port
 from tandem import embed_cli, generate_cli
+from tandem.client.errors import InvalidArgument
 from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc, encoder_pb2, encoder_pb2_grpc
+from tandem.client.status import end_with
 from tandem.common.server import RunningServer, ServerOptions, Service, start_server
 from tandem.common.torch_part import tensors
 
@@ -157,3 +159,32 @@ async def test_chat_with_stdin_closed_ends_at_once(tmp_path: Path) -> None:
     """`tandem chat <&-` was an AttributeError traceback ('NoneType' has no 'isatty'): now no turn, exit 0."""
     code, err = await _tandem("chat", "--address", f"127.0.0.1:{free_port()}", redirect="<&-")
     assert (code, err) == (0, "")
+
+
+class _EmptyTextRefused(decoder_pb2_grpc.DecoderServicer):
+    """Refuses the prompt's first text as the decoder refuses an empty one (prompt_parts.py)."""
+
+    async def Generate(
+        self, request: decoder_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
+        end_with(context, InvalidArgument("prompt[0].text", "must not be empty"))
+        return
+        yield
+
+
+async def test_an_empty_prompt_names_its_variable_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """It said "--prompt: must not be empty", the one flag line without its variable."""
+    service = Service(
+        "tandem.v1.Decoder", _EmptyTextRefused(), decoder_pb2_grpc.add_DecoderServicer_to_server
+    )
+    server = await _serving(service)
+    argv = ["--address", server.address, "--prompt", ""]
+    try:
+        with generate_cli.command().make_context("generate", argv, auto_envvar_prefix=GENERATE) as ctx:
+            assert await generate_cli._generate(dict(ctx.params)) == 2
+    finally:
+        await server.stop(0)
+    assert capsys.readouterr().err == (
+        "tandem generate: --prompt (TANDEM_GENERATE_PROMPT): must not be empty "
+        "(the request's prompt[0].text)\n"
+    )

@@ -102,7 +102,7 @@ def test_a_client_command_names_its_own_variable(environ, capsys: pytest.Capture
     environ({"TANDEM_GENERATE_MAX_TOKENS": "many"})
     assert cli.main(["generate", "--prompt", "hi"]) == 2
     assert capsys.readouterr().err == (
-        "tandem generate: --max-tokens (TANDEM_GENERATE_MAX_TOKENS): 'many' is not a valid integer range.\n"
+        "tandem generate: --max-tokens (TANDEM_GENERATE_MAX_TOKENS): 'many' is not a valid integer.\n"
     )
     assert cli.main(["generate", "--part", "audio:cat.wav"]) == 2
     assert "--part (TANDEM_GENERATE_PART): 'audio:cat.wav' is not KIND:VALUE" in capsys.readouterr().err

@@ -216,8 +216,14 @@ def default_of(cls: type, name: str) -> Any:
     return field.default
 
 
-UINT32 = click.IntRange(0, 2**32 - 1)  # what a uint32 field of a request can hold (max tokens, top-k)
-UINT64 = click.IntRange(0, 2**64 - 1)  # a uint64 field's (the seed)
+class _UInt(click.IntRange):
+    """An integer in a range, said as one: click's own name made "'abc' is not a valid integer range."."""
+
+    name = "integer"
+
+
+UINT32 = _UInt(0, 2**32 - 1)  # what a uint32 field of a request can hold (max tokens, top-k)
+UINT64 = _UInt(0, 2**64 - 1)  # a uint64 field's (the seed)
 
 
 def describe_flag(name: str) -> str:
