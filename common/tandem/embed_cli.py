@@ -10,6 +10,7 @@ rows that replace the chat template's `<image>`, with the span's token IDs besid
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,7 +79,7 @@ def command() -> click.Command:
             option(
                 "--out",
                 "write the rows to FILE: .npy (bfloat16 as float32) or .safetensors (with the token IDs)",
-                type=PATH,
+                type=_OUT_FILE,
                 default=None,
                 show_default="none, a summary on the terminal",
             ),
@@ -94,6 +95,19 @@ def command() -> click.Command:
         help="Embed a text, token IDs or an image with a running encoder: a summary, or the rows in a file.",
         context_settings=CONTEXT_SETTINGS,
     )
+
+
+class _OutFile(type(PATH)):  # type: ignore[misc]
+    """A file to write: a name ending in "/" names a folder, which Path() dropped (`--out x.npy/` wrote
+    the file x.npy)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value.endswith(("/", os.sep)):
+            self.fail(f"{value} ends in '/', a folder's name: name the file", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+_OUT_FILE = _OutFile(path_type=Path)
 
 
 def _start(**values: Any) -> int:

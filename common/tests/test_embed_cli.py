@@ -39,3 +39,16 @@ async def test_an_out_file_it_cannot_write_names_the_flag(tmp_path) -> None:
     finally:
         await server.stop(0)
     assert caught.value.param_hint == "'--out'"
+
+
+def test_an_out_file_named_as_a_folder_is_refused(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--out x.npy/` wrote the file x.npy: Path() drops the slash that said "a folder"."""
+    from common.tests.ports import free_port
+    from tandem import cli
+
+    out = f"{tmp_path}/rows.npy/"
+    assert cli.main(["embed", "--address", f"127.0.0.1:{free_port()}", "--text", "hi", "--out", out]) == 2
+    assert capsys.readouterr().err == (
+        f"tandem embed: --out (TANDEM_EMBED_OUT): {out} ends in '/', a folder's name: name the file\n"
+    )
+    assert not (tmp_path / "rows.npy").exists()
