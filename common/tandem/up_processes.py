@@ -171,10 +171,12 @@ class _Child:
 
     def finish_relay(self) -> None:
         """Once the service has exited: the rest of its output relayed, and what its own children write
-        for AFTER_EXIT_S more, or until they end."""
+        for AFTER_EXIT_S more, or until they end. Returns at once; `join_relay` waits for it."""
         stop_by = time.monotonic() + AFTER_EXIT_S
         for relay in self._relays:
             relay.finish(stop_by)
+
+    def join_relay(self) -> None:
         for relay in self._relays:
             relay.join()
 
@@ -252,6 +254,7 @@ def _stop_all(children: list[_Child], kill_after_s: float, failed: bool) -> int:
         child.terminate()
     deadline = time.monotonic() + kill_after_s
     is_clean = not failed
+    codes = []
     for child in children:
         try:
             code = child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -260,6 +263,11 @@ def _stop_all(children: list[_Child], kill_after_s: float, failed: bool) -> int:
             child.process.kill()
             code = child.process.wait()
             is_clean = False
-        child.finish_relay()
+        child.finish_relay()  # its AFTER_EXIT_S counts from its own exit, beside the others'
+        codes.append(code)
+    # Each service's lines before its "stopped": one relay's wait at a time took AFTER_EXIT_S a
+    # service whose children held its pipes, one after another (1.1 s for two, where 0.5 s will do).
+    for child, code in zip(children, codes, strict=True):
+        child.join_relay()
         say(f"the {label(child.name)} stopped (exit {code})")
     return 0 if is_clean else 1

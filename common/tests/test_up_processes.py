@@ -50,10 +50,12 @@ def test_a_service_that_ignores_sigterm_is_killed_after_the_margin_and_up_exits_
     config = up_config(None, grace_s=0.0, tls_cert=tmp_path / "cert.pem")
     assert up_processes.run_services(config) == 1
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[up] ")]
+    # Each "stopped" once its output is relayed, after every service has exited (their relays' time
+    # runs together): the kill is said before.
     assert lines[-4:] == [
         "[up] the encoder exited on its own (code 3): stopping the rest",
-        "[up] the encoder stopped (exit 3)",
         f"[up] the decoder did not stop within {margin_s:g} s: killing it",
+        "[up] the encoder stopped (exit 3)",
         "[up] the decoder stopped (exit -9)",
     ]
 
@@ -168,3 +170,50 @@ def _is_running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+# Each service starts a process that inherits its output and outlives it; the encoder exits 3 once the
+# decoder's has started, and the decoder exits on `up`'s SIGTERM.
+_BOTH_HELD = """
+import pathlib, signal, subprocess, sys, time
+name, tmp = sys.argv[1], pathlib.Path(sys.argv[2])
+held = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+(tmp / f"{name}-held").write_text(str(held.pid))
+if name == "decoder":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    time.sleep(60)
+while not (tmp / "decoder-held").exists():
+    time.sleep(0.01)
+sys.exit(3)
+"""
+
+
+@pytest.mark.timeout(45)
+def test_each_services_relays_get_their_time_from_its_own_exit_not_after_the_one_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each relay's AFTER_EXIT_S was given when the service before it had ended its own: two services
+    whose children held their pipes took twice the time to stop (1.1 s, where 0.5 s will do)."""
+    monkeypatch.setattr(
+        up_processes,
+        "service_argv",
+        lambda name, config: [sys.executable, "-c", _BOTH_HELD, name, str(tmp_path)],
+    )
+    after_exit_s = 2.0  # far past the time between the two exits, even on a loaded host
+    monkeypatch.setattr(up_processes, "AFTER_EXIT_S", after_exit_s)
+    deadlines: list[float] = []
+    finish = up_processes._Relay.finish
+
+    def finish_noted(relay: up_processes._Relay, stop_by: float) -> None:
+        deadlines.append(stop_by)
+        finish(relay, stop_by)
+
+    monkeypatch.setattr(up_processes._Relay, "finish", finish_noted)
+    config = up_config(None, grace_s=0.0, tls_cert=tmp_path / "cert.pem")
+    try:
+        assert up_processes.run_services(config) == 1
+    finally:
+        for held in tmp_path.glob("*-held"):
+            os.kill(int(held.read_text()), signal.SIGKILL)
+    assert len(deadlines) == 4  # two relays a service
+    assert max(deadlines) - min(deadlines) < after_exit_s
