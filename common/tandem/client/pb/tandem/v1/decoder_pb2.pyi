@@ -415,7 +415,8 @@ class StoppingCriteria(_message.Message):
     """EOS and stop tokens are suppressed until this many tokens were generated, <= max_new_tokens,
     and stop strings are looked for only in the text after them (as vLLM's min_tokens). Except with
     `structured`: where the grammar allows nothing but EOS or stop tokens, its end comes first.
-    Default 0.
+    prompt + min_new_tokens must fit the context, a max_new_tokens capped to it (its default,
+    cap_to_context) or not: INVALID_ARGUMENT naming stopping.min_new_tokens. Default 0.
     """
     ignore_eos: _builtins.bool
     """Keep generating past the model's EOS IDs. Default false."""
