@@ -11,13 +11,13 @@ the OpenAI gateway's `http://127.0.0.1:8000/health` (`tandem.readiness`).
 from __future__ import annotations
 
 import math
+import os
 import sys
 import urllib.parse
 from typing import Any
 
 import click
 
-from tandem.common.client_security_flags import checked_client_security, client_security_options
 from tandem.common.flags import (
     CONTEXT_SETTINGS,
     FlagError,
@@ -59,6 +59,13 @@ class _Timeout(click.ParamType):
 
 
 def command() -> click.Command:
+    # Before grpc is imported (client_security_flags imports it), which reads it then: gRPC core logs
+    # each failed TLS handshake (a --tls probe of a plaintext port: "I1208 ... ssl_transport_security.cc
+    # ... Handshake failed", 7 lines in 2 s) where the probe's reason says it in the one line. Its errors
+    # still show, and a GRPC_VERBOSITY already set is kept. This module is loaded for `tandem wait` only.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    from tandem.common.client_security_flags import client_security_options
+
     return click.Command(
         "wait",
         params=[
@@ -80,6 +87,7 @@ def command() -> click.Command:
 
 
 def _wait(targets: tuple[str, ...], timeout_s: float, **values: Any) -> int:
+    from tandem.common.client_security_flags import checked_client_security
     from tandem.readiness import Probe
 
     for target in targets:
@@ -87,6 +95,12 @@ def _wait(targets: tuple[str, ...], timeout_s: float, **values: Any) -> int:
         if problem is not None:  # else probed until --timeout-s, each probe failing the same way
             raise FlagError(f"TARGET {target!r}: {problem}")
     security = checked_client_security(values)  # FlagError naming the flag of a file it cannot use
+    plain = next((t for t in targets if t.startswith("http://")), None)
+    if security.uses_tls and plain is not None:  # urllib would probe it in plain HTTP, saying nothing
+        raise FlagError(
+            f"TARGET {plain!r}: --tls and its files are for gRPC targets; an http:// URL is plain HTTP "
+            "(an https:// one is checked against the system's CAs)"
+        )
     probe = Probe(targets or DEFAULT_TARGETS, security)
     try:
         waiting = probe.wait(None if math.isinf(timeout_s) else timeout_s)  # None: no deadline

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -170,3 +172,37 @@ def test_an_http_target_that_answers_no_http_is_waited_on_like_any_other(
         target = f"http://127.0.0.1:{port}/health"
         assert cli.main(["wait", "--timeout-s", "0.5", target]) == 1
     assert capsys.readouterr().err.endswith(f"{target}: not an HTTP answer (BadStatusLine)\n")
+
+
+def test_tls_flags_with_a_plain_http_target_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """urllib probed it in plain HTTP, --tls ignored without a word."""
+    assert cli.main(["wait", "--tls", "http://127.0.0.1:8000/health"]) == 2
+    assert capsys.readouterr().err == (
+        "tandem wait: TARGET 'http://127.0.0.1:8000/health': --tls and its files are for gRPC targets; an "
+        "http:// URL is plain HTTP (an https:// one is checked against the system's CAs)\n"
+    )
+
+
+def test_a_tls_probe_of_a_plaintext_port_is_one_line() -> None:
+    """gRPC core logged each failed handshake ("I1208 ... ssl_transport_security.cc ... Handshake
+    failed"), 7 lines in 2 s before the one line that says it."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def answer_plaintext() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    connection, _ = listener.accept()
+                    with connection:
+                        connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+        threading.Thread(target=answer_plaintext, daemon=True).start()
+        env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+        tandem = "from tandem import cli; raise SystemExit(cli.main())"
+        argv = ["wait", "--tls", "--timeout-s", "1", f"127.0.0.1:{port}"]
+        done = subprocess.run(
+            [sys.executable, "-c", tandem, *argv], env=env, capture_output=True, text=True, timeout=120
+        )
+    assert done.returncode == 1
+    assert done.stderr.startswith(f"tandem wait: not serving after 1 s: 127.0.0.1:{port}: UNAVAILABLE: ")
+    assert done.stderr.count("\n") == 1
