@@ -443,3 +443,14 @@ def test_a_directory_is_said_to_be_one(tmp_path: Path) -> None:
     """It said "no such file" of a directory that exists."""
     with pytest.raises(GGUFImportError, match="a directory, not a GGUF file"):
         import_gguf(tmp_path, tmp_path / "out")
+
+
+def test_a_device_or_a_fifo_is_said_to_be_no_regular_file(tmp_path: Path) -> None:
+    """/dev/zero and a FIFO were "no such file", though they exist (a review's run)."""
+    fifo = tmp_path / "m.gguf"
+    os.mkfifo(fifo)
+    for path in (Path("/dev/zero"), fifo):
+        with pytest.raises(GGUFImportError, match="not a regular file, not a GGUF file"):
+            import_gguf(path, tmp_path / "out")
+    with pytest.raises(GGUFImportError, match="no such file"):
+        import_gguf(tmp_path / "absent.gguf", tmp_path / "out")
