@@ -9,7 +9,7 @@ Tests that change a checkpoint make their own copy; these are read-only.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -71,3 +71,17 @@ def environ(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, str]], None]
             monkeypatch.setenv(name, value)
 
     return set_variables
+
+
+@pytest.fixture(autouse=True)
+def grpc_verbosity_kept() -> Iterator[None]:
+    """GRPC_VERBOSITY as it was before each test. Building `tandem wait`'s command sets it to ERROR in
+    this process (it must be set before grpc loads, and `tandem wait` is that process's one command);
+    in a test's process it stayed set, and every subprocess a later test started on that worker
+    inherited it: gRPC's own log lines gone from what those tests read, by test order."""
+    before = os.environ.get("GRPC_VERBOSITY")
+    yield
+    if before is None:
+        os.environ.pop("GRPC_VERBOSITY", None)
+    else:
+        os.environ["GRPC_VERBOSITY"] = before
