@@ -100,6 +100,14 @@ def test_rows_over_the_bound_as_sent_are_refused(tmp_path: Path) -> None:
         read_embeddings(rows, max_bytes=127)
 
 
+def test_float8_rows_are_counted_as_the_float32_they_are_sent_as(tmp_path: Path) -> None:
+    rows = tmp_path / "rows.safetensors"
+    save_file({"embeddings": torch.zeros(4, 8).to(torch.float8_e4m3fn)}, rows)
+    assert read_embeddings(rows, max_bytes=4 * 8 * 4).dtype == torch.float32
+    with pytest.raises(ValueError, match=r"rows \[4, 8\] take 128 bytes, over the 127 one call"):
+        read_embeddings(rows, max_bytes=127)
+
+
 def test_a_header_claiming_more_data_than_the_file_holds_is_refused_unloaded(tmp_path: Path) -> None:
     rows = _npy_header(tmp_path / "rows.npy", "<f4", (1000, 8), data=bytes(16))
     with pytest.raises(
