@@ -136,11 +136,10 @@ def _open(path: Path) -> Any:
 
     if path.is_dir():
         raise GGUFImportError(f"{path}: a directory, not a GGUF file")
-    if path.exists():  # a device (/dev/zero) or a FIFO: read, it would never end or never begin
-        if not path.is_file():
-            raise GGUFImportError(f"{path}: not a regular file, not a GGUF file")
-    else:
+    if not path.exists():
         raise GGUFImportError(f"{path}: no such file")
+    if not path.is_file():  # a device (/dev/zero) or a FIFO: read, it would never end or never begin
+        raise GGUFImportError(f"{path}: not a regular file, not a GGUF file")
     try:
         with path.open("rb") as f:
             magic = f.read(4)

@@ -260,9 +260,9 @@ class ConnectionGuard:
         made once the lead is spent or a connection closes of itself. A pass that finds none waiting is
         not made again (each refusal paid it: 0.155-0.175 ms of the gateway's CPU a refusal, 512
         connections held mid-request, against 0.065-0.072 before any place was given up, and 0.073-0.092
-        now, on one host) until a
-        connection may wait (`may_wait`: one let in, one whose answer was written, one closed), or for
-        `NONE_WAITING_S` (an answer's unsent bytes gone, which nothing tells)."""
+        now, on one host) until a connection may wait (`may_wait`: one let in, one whose answer was
+        written, one closed), or for `NONE_WAITING_S` (an answer's unsent bytes gone, which nothing
+        tells)."""
         now = time.monotonic()
         if now < self._none_waiting_until:
             return False

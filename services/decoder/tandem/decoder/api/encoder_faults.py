@@ -24,8 +24,8 @@ class FaultyReply(grpc.aio.AioRpcError):
 
 
 def unavailable(details: str, replica: str | None) -> grpc.aio.AioRpcError:
-    """UNAVAILABLE as the encoder's call would raise it: each waiter names its own field and the encoder
-    (`replica`, the one that sent the faulty reply, where it said; `encoder_errors.py`)."""
+    """UNAVAILABLE as the encoder's call would raise it: each waiter names its own field, and the WARNING
+    line the encoder (`replica`, the one that sent the faulty reply, where it said; `encoder_errors.py`)."""
     initial = grpc.aio.Metadata((replica_name.HEADER, replica)) if replica else grpc.aio.Metadata()
     return FaultyReply(grpc.StatusCode.UNAVAILABLE, initial, grpc.aio.Metadata(), details)
 
