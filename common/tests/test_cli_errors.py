@@ -12,6 +12,7 @@ import grpc
 import pytest
 import torch
 
+from common.tests.one_delta_decoder import OneDeltaDecoder
 from common.tests.ports import free_port
 from tandem import embed_cli, generate_cli
 from tandem.client.errors import InvalidArgument
@@ -110,19 +111,6 @@ async def test_an_adapter_not_loaded_names_the_adapter_flag(capsys: pytest.Captu
     )
 
 
-class _Decoder(decoder_pb2_grpc.DecoderServicer):
-    """Accepts, streams one delta, finishes."""
-
-    async def Generate(
-        self, request: decoder_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
-        yield decoder_pb2.GenerateResponse(accepted=decoder_pb2.PromptAccepted())
-        yield decoder_pb2.GenerateResponse(delta=decoder_pb2.TokenDelta(text="hi"))
-        yield decoder_pb2.GenerateResponse(
-            finished=decoder_pb2.Finished(reason=decoder_pb2.FINISH_REASON_LENGTH)
-        )
-
-
 async def _tandem(*argv: str, redirect: str) -> tuple[int, str]:
     """`tandem ARGV` in a shell with `redirect` applied (`>&-`, `>/dev/full`, `<&-`): exit code, stderr."""
     script, tandem = f'exec "$@" {redirect}', "from tandem import cli; raise SystemExit(cli.main())"
@@ -144,7 +132,7 @@ async def test_an_answer_standard_output_cannot_take_is_one_line_and_exit_1(redi
     """/dev/full was an OSError traceback; a closed stdout exited 0 with the answer lost."""
     if "/dev/full" in redirect and not Path("/dev/full").exists():
         pytest.skip("no /dev/full here")
-    service = Service("tandem.v1.Decoder", _Decoder(), decoder_pb2_grpc.add_DecoderServicer_to_server)
+    service = Service("tandem.v1.Decoder", OneDeltaDecoder(), decoder_pb2_grpc.add_DecoderServicer_to_server)
     server = await _serving(service)
     try:
         code, err = await _tandem(

@@ -3,32 +3,19 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
-import grpc
 import pytest
 
+from common.tests.one_delta_decoder import OneDeltaDecoder
 from tandem import generate_cli
-from tandem.client.pb.tandem.v1 import decoder_pb2, decoder_pb2_grpc
+from tandem.client.pb.tandem.v1 import decoder_pb2_grpc
 from tandem.common.server import ServerOptions, Service, start_server
-
-
-class _Decoder(decoder_pb2_grpc.DecoderServicer):
-    """Accepts, streams one delta, finishes."""
-
-    async def Generate(
-        self, request: decoder_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
-        yield decoder_pb2.GenerateResponse(accepted=decoder_pb2.PromptAccepted())
-        yield decoder_pb2.GenerateResponse(delta=decoder_pb2.TokenDelta(text="hi"))
-        finished = decoder_pb2.Finished(reason=decoder_pb2.FINISH_REASON_LENGTH)
-        yield decoder_pb2.GenerateResponse(finished=finished)
 
 
 @pytest.mark.parametrize("as_json", [False, True])
 async def test_a_finished_stream_exits_0(as_json: bool, capsys: pytest.CaptureFixture[str]) -> None:
     """With --json it exited 1 after every good stream: "the stream ended without its finished event"."""
-    service = Service("tandem.v1.Decoder", _Decoder(), decoder_pb2_grpc.add_DecoderServicer_to_server)
+    service = Service("tandem.v1.Decoder", OneDeltaDecoder(), decoder_pb2_grpc.add_DecoderServicer_to_server)
     server = await start_server(ServerOptions(port=0), [service])
     await server.set_serving()
     argv = ["--address", server.address, "--prompt", "hello", *(["--json"] if as_json else [])]
