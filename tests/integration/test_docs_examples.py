@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from common.tests.ports import free_port
-from tests.integration.package_index import install
+from tests.integration.package_index import npm_ci
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -194,7 +194,7 @@ def _matches(shown: str, printed: str) -> bool:
 
 
 def test_api_mds_node_outputs_are_what_the_client_prints(services: Ports) -> None:
-    install(["npm", "ci", "--no-audit", "--no-fund"], cwd=NODE_CLIENT)
+    npm_ci(NODE_CLIENT)
     examples = node_examples((REPO_ROOT / "docs" / "API.md").read_text())
     assert len(examples) >= 3  # prompt tokens, the embedding's shape, the width error
     for example in examples:

@@ -27,7 +27,7 @@ from tandem.common.server import TlsOptions
 from tandem.common.torch_part import tensors
 from tandem.common.torch_part.random_model import make_model
 from tandem.decoder.models.loader import LoadedModel
-from tests.integration.package_index import install
+from tests.integration.package_index import npm_ci
 from tests.integration.reliability.harness import Services
 from tests.integration.test_security import OPENSSL, make_pki
 
@@ -47,7 +47,7 @@ class LiveDecoder:
 def node_client() -> Path:
     if shutil.which("npm") is None or shutil.which("node") is None:
         pytest.skip("npm/node are not installed: the Node.js client cannot be tested")
-    install(["npm", "ci", "--no-audit", "--no-fund"], cwd=NODE_CLIENT)
+    npm_ci(NODE_CLIENT)
     return NODE_CLIENT / "generate.js"
 
 

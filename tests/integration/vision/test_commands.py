@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from tandem.common.torch_part import tensors
 from tandem.embedding_files import read_embeddings
-from tests.integration.package_index import install
+from tests.integration.package_index import npm_ci
 from tests.integration.vision.conftest import Split
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -138,7 +138,7 @@ def node_chat() -> Path:
     if shutil.which("npm") is None or shutil.which("node") is None:
         pytest.skip("npm/node are not installed: the Node.js client cannot be tested")
     node_client = REPO_ROOT / "clients" / "node"
-    install(["npm", "ci", "--no-audit", "--no-fund"], cwd=node_client)
+    npm_ci(node_client)
     return node_client / "chat.js"
 
 
