@@ -53,13 +53,18 @@ GENERATE = "TANDEM_GENERATE"  # as `tandem generate` runs it: its flags' variabl
 DECODER = Service("tandem.v1.Decoder", _DecoderWithoutLora(), decoder_pb2_grpc.add_DecoderServicer_to_server)
 
 
+async def _generate(argv: list[str]) -> int:
+    """`tandem generate argv`'s exit code, its flags' variables named as the command names them."""
+    with generate_cli.command().make_context("generate", argv, auto_envvar_prefix=GENERATE) as ctx:
+        return await generate_cli._generate(dict(ctx.params))
+
+
 async def test_generate_at_the_encoders_address_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     """It said "UNIMPLEMENTED: Method not found!", exit 1, naming no address."""
     server = await _serving(ENCODER)
     try:
         argv = ["--address", server.address, "--prompt", "hi"]
-        with generate_cli.command().make_context("generate", argv, auto_envvar_prefix=GENERATE) as ctx:
-            assert await generate_cli._generate(dict(ctx.params)) == 2
+        assert await _generate(argv) == 2
     finally:
         await server.stop(0)
     assert capsys.readouterr().err == (
@@ -75,8 +80,7 @@ async def test_an_embed_part_at_the_decoders_address_names_the_encoder_address(
     server = await _serving(DECODER)
     argv = ["--address", server.address, "--encoder-address", server.address, "--part", "embed:hi"]
     try:
-        with generate_cli.command().make_context("generate", argv, auto_envvar_prefix=GENERATE) as ctx:
-            assert await generate_cli._generate(dict(ctx.params)) == 2
+        assert await _generate(argv) == 2
     finally:
         await server.stop(0)
     err = capsys.readouterr().err
@@ -101,8 +105,7 @@ async def test_an_adapter_not_loaded_names_the_adapter_flag(capsys: pytest.Captu
     server = await _serving(DECODER)
     argv = ["--address", server.address, "--prompt", "hi", "--adapter", "nope"]
     try:
-        with generate_cli.command().make_context("generate", argv, auto_envvar_prefix=GENERATE) as ctx:
-            assert await generate_cli._generate(dict(ctx.params)) == 2
+        assert await _generate(argv) == 2
     finally:
         await server.stop(0)
     assert capsys.readouterr().err == (
@@ -168,8 +171,7 @@ async def test_an_empty_prompt_names_its_variable_too(capsys: pytest.CaptureFixt
     server = await _serving(service)
     argv = ["--address", server.address, "--prompt", ""]
     try:
-        with generate_cli.command().make_context("generate", argv, auto_envvar_prefix=GENERATE) as ctx:
-            assert await generate_cli._generate(dict(ctx.params)) == 2
+        assert await _generate(argv) == 2
     finally:
         await server.stop(0)
     assert capsys.readouterr().err == (

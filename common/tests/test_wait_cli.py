@@ -10,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -153,22 +154,28 @@ def test_a_key_that_cannot_be_checked_here_names_the_flag_and_tmpdir(
     assert err.count("\n") == 1
 
 
+@contextlib.contextmanager
+def _answering(reply: bytes) -> Iterator[int]:
+    """A port on 127.0.0.1 answering each connection `reply`, then closing it."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        def answer() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    connection, _ = listener.accept()
+                    with connection:
+                        connection.sendall(reply)
+
+        threading.Thread(target=answer, daemon=True).start()
+        yield listener.getsockname()[1]
+
+
 def test_an_http_target_that_answers_no_http_is_waited_on_like_any_other(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A gRPC port given as `http://.../health` answered bytes no HTTP status line reads: a BadStatusLine
     traceback (57 lines). Now it is a target not serving yet, and the wait ends at its timeout."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        port = listener.getsockname()[1]
-
-        def answer_not_http() -> None:
-            with contextlib.suppress(OSError):
-                while True:
-                    connection, _ = listener.accept()
-                    with connection:
-                        connection.sendall(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00garbage\r\n\r\n")
-
-        threading.Thread(target=answer_not_http, daemon=True).start()
+    with _answering(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00garbage\r\n\r\n") as port:
         target = f"http://127.0.0.1:{port}/health"
         assert cli.main(["wait", "--timeout-s", "0.5", target]) == 1
     assert capsys.readouterr().err.endswith(f"{target}: not an HTTP answer (BadStatusLine)\n")
@@ -186,17 +193,7 @@ def test_tls_flags_with_a_plain_http_target_are_refused(capsys: pytest.CaptureFi
 def test_a_tls_probe_of_a_plaintext_port_is_one_line() -> None:
     """gRPC core logged each failed handshake ("I1208 ... ssl_transport_security.cc ... Handshake
     failed"), 7 lines in 2 s before the one line that says it."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        port = listener.getsockname()[1]
-
-        def answer_plaintext() -> None:
-            with contextlib.suppress(OSError):
-                while True:
-                    connection, _ = listener.accept()
-                    with connection:
-                        connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
-
-        threading.Thread(target=answer_plaintext, daemon=True).start()
+    with _answering(b"HTTP/1.1 400 Bad Request\r\n\r\n") as port:
         env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
         tandem = "from tandem import cli; raise SystemExit(cli.main())"
         argv = ["wait", "--tls", "--timeout-s", "1", f"127.0.0.1:{port}"]
